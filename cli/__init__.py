@@ -1,0 +1,1 @@
+"""The `rewy-tune` command line."""

@@ -1,0 +1,57 @@
+"""The `rewy-tune` command: subcommands for verification (and, as they land, tuning, benchmarks, serving)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Tune and check ReWY backward kernels for delta-rule linear attention.")
+console = Console()
+
+
+@app.callback()
+def root() -> None:
+    """Tune and check ReWY backward kernels for delta-rule linear attention."""
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def verify(
+    op: str = typer.Option("all", help="deltanet, gdn, kda, gdn2 or all"),
+    backend: str = typer.Option("torch", help="torch, triton or auto"),
+    device: str = typer.Option("cpu", help="cpu or cuda"),
+    policy: str = typer.Option("both", help="R, A or both"),
+    seed: int = typer.Option(0, help="first random seed (each case draws fresh inputs)"),
+) -> None:
+    """Run the correctness gate: every output and gradient against the float64 reference."""
+    from rewy_tune.cli.verify import ALL_OPS, resolve_device, run_verify
+
+    ops = list(ALL_OPS) if op == "all" else [op]
+    if any(o not in ALL_OPS for o in ops):
+        _fail(f"--op: unknown operator {op!r}; accepted: {', '.join(ALL_OPS)}, all")
+    if policy not in ("R", "A", "both"):
+        _fail(f"--policy: got {policy!r}; accepted: R, A, both")
+    if backend not in ("torch", "triton", "auto"):
+        _fail(f"--backend: got {backend!r}; accepted: torch, triton, auto")
+    try:
+        device = resolve_device(device)
+    except ValueError as exc:
+        _fail(str(exc))
+    policies = ["R", "A"] if policy == "both" else [policy]
+    ok = run_verify(ops, backend, device, policies, seed, console)
+    raise typer.Exit(code=0 if ok else 1)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    app(args=argv)
+
+
+if __name__ == "__main__":
+    main()

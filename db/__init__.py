@@ -1,0 +1,1 @@
+"""SQLAlchemy models, engine setup, queries and migrations of the winners database."""

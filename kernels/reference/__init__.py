@@ -1,0 +1,1 @@
+"""Readable pure-torch references: token recurrences (ground truth) and the chunkwise ReWY pipeline."""

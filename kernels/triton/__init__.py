@@ -1,0 +1,1 @@
+"""Triton kernels of the ReWY backward, one module per pipeline stage."""

@@ -1,0 +1,106 @@
+"""Public operators, FLA-compatible in argument order and return value `(o, final_state)`.
+
+Each op checks its inputs, picks a backend and applies one autograd Function:
+- "torch": the pure-torch chunk forward and hand-written ReWY backward (`kernels/reference`), any device;
+- "triton": the ReWY Triton backward (`kernels/triton`); on CUDA, and on CPU under TRITON_INTERPRET=1;
+- "auto": "triton" on CUDA where the operator's Triton kernels exist, "torch" elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rewy_tune.validation import validate_inputs
+
+# Operators whose complete backward exists as Triton kernels.
+TRITON_OPS: frozenset[str] = frozenset()
+
+
+def _triton_ops() -> frozenset[str]:
+    try:
+        from rewy_tune.kernels.triton_function import SUPPORTED_OPS
+    except ImportError:
+        return TRITON_OPS
+    return frozenset(SUPPORTED_OPS)
+
+
+def resolve_backend(op: str, backend: str, device: torch.device) -> str:
+    """Turn the requested backend into the one that runs, or raise a clear ValueError."""
+    if backend == "torch":
+        return "torch"
+    available = _triton_ops()
+    on_cuda = device.type == "cuda"
+    if backend == "auto":
+        return "triton" if on_cuda and op in available else "torch"
+    # backend == "triton"
+    if op not in available:
+        raise ValueError(
+            f"backend: 'triton' is not available for operator {op!r} yet; "
+            f"accepted: 'torch' or 'auto' (triton exists for: {', '.join(sorted(available)) or 'none'})"
+        )
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend: 'triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 for the CPU interpreter"
+        )
+    return "triton"
+
+
+def _apply(op, q, k, v, g, erase, write, *, scale, initial_state, output_final_state, policy, backend,
+           schedule=None, names=("g", "beta", "beta")):
+    validate_inputs(op, q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
+                    policy=policy, backend=backend, names=names)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    chosen = resolve_backend(op, backend, q.device)
+    if chosen == "torch":
+        from rewy_tune.kernels.reference.function import RewyTorchFunction
+
+        return RewyTorchFunction.apply(q, k, v, g, erase, write, initial_state, scale, 64, policy,
+                                       output_final_state)
+    from rewy_tune.kernels.triton_function import run_triton_op
+
+    return run_triton_op(op, q, k, v, g, erase, write, initial_state=initial_state, scale=scale,
+                         policy=policy, output_final_state=output_final_state, schedule=schedule)
+
+
+def chunk_deltanet(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, *,
+                   policy="R", backend="auto", schedule=None):
+    """DeltaNet: S_t = S_{t-1} + k_t u_tᵀ, u_t = β_t (v_t − S_{t-1}ᵀ k_t); o_t = S_tᵀ (s q_t).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V].
+    Returns (o [B, T, H, V], final_state [B, H, K, V] fp32 or None).
+    """
+    return _apply("deltanet", q, k, v, None, beta, beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, policy=policy, backend=backend, schedule=schedule)
+
+
+def chunk_gdn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
+              policy="R", backend="auto", schedule=None):
+    """Gated DeltaNet: S' = e^{g_t} S_{t-1}; u_t = β_t (v_t − S'ᵀ k_t); S_t = S' + k_t u_tᵀ.
+
+    g: [B, T, H] per-token natural-log decay (not cumulative); other shapes as `chunk_deltanet`.
+    """
+    return _apply("gdn", q, k, v, g, beta, beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, policy=policy, backend=backend, schedule=schedule)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
+              policy="R", backend="auto", schedule=None):
+    """Kimi Delta Attention: GDN with a per-key-channel gate S' = Diag(e^{g_t}) S_{t-1}.
+
+    g: [B, T, H, K] per-token natural-log decay; beta: [B, T, H].
+    """
+    return _apply("kda", q, k, v, g, beta, beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, policy=policy, backend=backend, schedule=schedule)
+
+
+def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False, *,
+               policy="R", backend="auto", schedule=None):
+    """Gated DeltaNet-2: S' = Diag(e^{g_t}) S_{t-1}; u_t = w_t⊙v_t − S'ᵀ(b_t⊙k_t); S_t = S' + k_t u_tᵀ.
+
+    g, b: [B, T, H, K]; w: [B, T, H, V].
+    """
+    return _apply("gdn2", q, k, v, g, b, w, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, policy=policy, backend=backend, schedule=schedule,
+                  names=("g", "b", "w"))

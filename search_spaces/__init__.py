@@ -1,0 +1,1 @@
+"""Per-operator declarative search spaces, constraints and default schedules."""

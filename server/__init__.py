@@ -1,0 +1,1 @@
+"""FastAPI dashboard and JSON API over the winners database (read-only)."""
