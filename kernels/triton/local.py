@@ -1,0 +1,332 @@
+"""Local (per-chunk, all chunks in parallel) stages of the ReWY backward for no gate / scalar gate
+(DeltaNet, GDN): rewy-math §§4–6.2.
+
+- ``dv_local``  : dv_local = A_qkᵀ dO, A_qk = L_≤(s Q Kᵀ ⊙ Λ) recomputed from q, k, G (input of the reverse scan).
+- ``producer``  : P = Aᵀ R̄ and D = −L_<(P Rᵀ) written to memory (the "separate" consumer mode).
+- ``consumer``  : H = L_≤(dO Rᵀ) (self-term split), Q̄_g = dO S0ᵀ, K̄_t = R dS1ᵀ, Ē_dir = −P S0ᵀ and the four
+                  intra products with Gram elimination → dq, dk, dv = ω⊙P, d_erase, d_write, Ḡ (per token,
+                  before the reverse cumsum). ``joint=True`` fuses the producer (P, D never leave the chip).
+
+Layout: q, k [B,T,H,K]; v, do, R, R̄ [B,T,H,V]; A [B,T,H,C]; G, erase, write [B,T,H]; per-chunk states
+S0, dS1 [B,NT,H,K,V]. One program per (chunk, batch·head); K and V are walked in block_k / block_v tiles.
+
+Transposes (FLA issue 640, fla-baseline §12.1): Triton 3.6.0 on Hopper miscompiles ``tl.trans`` of a
+wgmma-layout accumulator. No kernel here transposes a ``tl.dot`` result in registers. Every transposed
+operand is either loaded transposed from memory (Aᵀ, Qᵀ, Kᵀ, Rᵀ, S0ᵀ, dS1ᵀ) or avoided by computing the
+transposed product instead (B_Qᵀ = Qᵀ Γ_q, B_Kᵀ = (eK)ᵀ Γ_r). The column-side part of dk, produced as a
+[BK, C] tile, is turned into rows through global memory (a transposed store into an fp32 scratch, a CTA
+barrier, a row load), never through ``tl.trans``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs promise fp32 results: tl.dot would otherwise round fp32 operands to tf32 on the GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# --------------------------------------------------------------------------------------------------
+# dv_local = A_qkᵀ dO
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T"])
+def rewy_bwd_kernel_dv_local(
+    q, k, G, do, dv,
+    T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    rows = i_t * BT + o_i
+    m_row = rows < T
+    tok = (i_b * T + rows) * H + i_h
+    DT = k.dtype.element_ty
+
+    # A_qkᵀ[j, i] = s Σ_f k_jf q_if Λ_ij, formed directly as K Qᵀ with Qᵀ loaded transposed (no tl.trans).
+    b_at = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in tl.static_range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
+        b_at += tl.dot(b_k, b_qt, input_precision=PREC)
+    # row index j, column index i; keep i ≥ j (mask before exponentiating)
+    m_at = (o_i[:, None] <= o_i[None, :]) & m_row[:, None] & m_row[None, :]
+    if USE_G:
+        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
+        b_lam = tl.exp(tl.where(m_at, b_g[None, :] - b_g[:, None], 0.0))
+        b_at = tl.where(m_at, b_at * b_lam * scale, 0.0)
+    else:
+        b_at = tl.where(m_at, b_at * scale, 0.0)
+    b_at = b_at.to(DT)
+    for i_v in tl.static_range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_row[:, None] & (o_v < V)[None, :]
+        p_v = tok[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(DT)
+        b_dv = tl.dot(b_at, b_do, input_precision=PREC)
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+
+
+def dv_local(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
+             num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """dv_local = A_qkᵀ dO per chunk, [B,T,H,V] in do's dtype. G None (DeltaNet) or [B,T,H] fp32 natural log."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    _check_scalar_gate(G, (B, T, H))
+    dv = torch.empty_like(do)
+    NT = triton.cdiv(T, chunk_size)
+    rewy_bwd_kernel_dv_local[(NT, B * H)](
+        q, k, G, do, dv, T, float(scale),
+        H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dv
+
+
+# --------------------------------------------------------------------------------------------------
+# Producer (separate mode): P = Aᵀ R̄, D = −L_<(P Rᵀ)
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T"])
+def rewy_bwd_kernel_producer(
+    A, Rbar, R, P, D,
+    T,
+    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    rows = i_t * BT + o_i
+    m_row = rows < T
+    tok = (i_b * T + rows) * H + i_h
+    DT = R.dtype.element_ty
+    m_cc = m_row[:, None] & m_row[None, :]
+    # Aᵀ[j, i] = A[i, j], loaded transposed from memory.
+    b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0).to(DT)
+    b_d = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in tl.static_range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_row[:, None] & (o_v < V)[None, :]
+        p_v = tok[:, None] * V + o_v[None, :]
+        b_rb = tl.load(Rbar + p_v, mask=m_v, other=0.0).to(DT)
+        b_p = tl.dot(b_at, b_rb, input_precision=PREC)
+        tl.store(P + p_v, b_p.to(P.dtype.element_ty), mask=m_v)
+        b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=(o_v < V)[:, None] & m_row[None, :], other=0.0)
+        b_d += tl.dot(b_p.to(DT), b_rt.to(DT), input_precision=PREC)
+    b_d = tl.where((o_i[:, None] > o_i[None, :]) & m_cc, -b_d, 0.0)
+    tl.store(D + tok[:, None] * BT + o_i[None, :], b_d.to(D.dtype.element_ty), mask=m_row[:, None])
+
+
+def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
+             pd_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """P = AᵀR̄ [B,T,H,V] and D = −L_<(P Rᵀ) [B,T,H,C] (FLA layout, zero outside the strict lower part)."""
+    B, T, H, V = Rbar.shape
+    P = torch.empty(B, T, H, V, dtype=pd_dtype, device=Rbar.device)
+    D = torch.empty(B, T, H, chunk_size, dtype=pd_dtype, device=Rbar.device)
+    NT = triton.cdiv(T, chunk_size)
+    rewy_bwd_kernel_producer[(NT, B * H)](
+        A, Rbar, R, P, D, T, H=H, V=V, BT=chunk_size, BV=BV, PREC=dot_precision(R.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return P, D
+
+
+# --------------------------------------------------------------------------------------------------
+# Consumer (joint or separate)
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T", "NT"])
+def rewy_bwd_kernel_consumer(
+    q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
+    dq, dk, dv, dk_col, gbar, derase, dwrite,
+    T, NT, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, JOINT: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    o_i = tl.arange(0, BT)
+    rows = t0 + o_i
+    m_row = rows < T
+    tok = (i_b * T + rows) * H + i_h
+    n_last = tl.minimum(T - t0, BT) - 1  # last valid row of this chunk (tail chunk: fewer rows)
+    is_last = o_i == n_last
+    s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
+    DT = k.dtype.element_ty
+    m_cc = m_row[:, None] & m_row[None, :]
+    m_lt = (o_i[:, None] > o_i[None, :]) & m_cc  # strict lower: self-term split of H, and L_< of D
+
+    b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
+    b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
+    if USE_G:
+        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
+        b_gn = tl.sum(tl.where(is_last, b_g, 0.0), axis=0)
+        b_gamma = tl.where(m_row, tl.exp(b_g), 0.0)
+        b_tau = tl.where(m_row, tl.exp(b_gn - b_g), 0.0)
+        b_lam = tl.where(m_lt, tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    if JOINT:
+        b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0).to(DT)
+
+    b_D = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates P Rᵀ (joint)
+    b_H = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates dO Rᵀ
+    b_hd = tl.zeros([BT], dtype=tl.float32)  # diag of H: ⟨dO_i, R_i⟩
+    b_dwr = tl.zeros([BT], dtype=tl.float32)  # d_write = ⟨V_i, P_i⟩
+    b_der = tl.zeros([BT], dtype=tl.float32)  # d_erase
+    b_gb = tl.zeros([BT], dtype=tl.float32)  # Ḡ (row side)
+    b_gb_col = tl.zeros([BT], dtype=tl.float32)  # Ḡ (column side, from B_Q + B_K)
+    b_frob = tl.zeros([BV], dtype=tl.float32)  # ⟨S0, dS1⟩_F, partial per value column
+    b_tail = tl.zeros([BT], dtype=tl.float32)  # τ_j ⟨K_j, K̄_t,j⟩ for rows j < n
+
+    for i_k in tl.static_range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_rk = m_row[:, None] & m_k[None, :]
+        b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ  (= −Ē_dir)
+        b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
+        b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_rv = m_row[:, None] & m_v[None, :]
+            p_v = tok[:, None] * V + o_v[None, :]
+            b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
+            b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
+            if JOINT:
+                # P tile recomputed per K tile when K > BK: trades 2n²·BV FLOPs for no P round trip.
+                b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0).to(DT)
+                b_p = tl.dot(b_at, b_rb, input_precision=PREC)
+            else:
+                b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
+            # S0ᵀ / dS1ᵀ tiles [BV, BK], loaded transposed from the [K, V] state.
+            p_s = s_off + o_k[None, :] * V + o_v[:, None]
+            m_s = m_v[:, None] & m_k[None, :]
+            b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
+            b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
+            if i_k == 0:
+                b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_row[None, :], other=0.0)
+                if JOINT:
+                    b_D += tl.dot(b_p.to(DT), b_rt.to(DT), input_precision=PREC)
+                b_H += tl.dot(b_do.to(DT), b_rt.to(DT), input_precision=PREC)
+                b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
+                b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
+                b_dwr += tl.sum(b_vv * b_p, axis=1)
+                tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
+            if USE_G:
+                b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=1)
+            b_pe += tl.dot(b_p.to(DT), b_s0t.to(DT), input_precision=PREC)
+            b_qg += tl.dot(b_do.to(DT), b_s0t.to(DT), input_precision=PREC)
+            b_kt += tl.dot(b_r.to(DT), b_ds1t.to(DT), input_precision=PREC)
+
+        if i_k == 0:
+            if JOINT:
+                b_D = tl.where(m_lt, -b_D, 0.0)
+            else:
+                b_D = tl.load(D + tok[:, None] * BT + o_i[None, :], mask=m_lt, other=0.0).to(tl.float32)
+            # Γ_q = s H_< ⊙ Λ, Γ_r = D ⊙ Λ (the diagonal of H is added elementwise below)
+            if USE_G:
+                b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
+                b_gr = (b_D * b_lam).to(DT)
+            else:
+                b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
+                b_gr = b_D.to(DT)
+
+        b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        m_kr = m_k[:, None] & m_row[None, :]
+        b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
+        b_ktr = tl.load(k + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
+        b_ekt = (b_ktr.to(tl.float32) * b_e[None, :]).to(DT)
+        # Row side: A_Q = Γ_q K, A_K = Γ_r K.  Column side computed transposed: B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r.
+        b_aq = tl.dot(b_gq, b_k.to(DT), input_precision=PREC)
+        b_ak = tl.dot(b_gr, b_k.to(DT), input_precision=PREC)
+        b_bt = tl.dot(b_qt.to(DT), b_gq, input_precision=PREC)
+        b_bt = tl.dot(b_ekt, b_gr, b_bt, input_precision=PREC)
+
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        b_edir = -b_pe
+        if USE_G:
+            b_dq = (scale * b_gamma)[:, None] * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+            b_ke = tl.sum(b_kf * b_edir, axis=1)
+            b_kak = tl.sum(b_kf * b_ak, axis=1)
+            b_kkt = tl.sum(b_kf * b_kt, axis=1)
+            b_dkr = ((b_e * b_gamma)[:, None] * b_edir + b_e[:, None] * b_ak + b_tau[:, None] * b_kt
+                     + (scale * b_hd)[:, None] * b_qf)
+            b_der += b_gamma * b_ke + b_kak
+            b_gb += (scale * b_gamma * tl.sum(b_qf * b_qg, axis=1) + tl.sum(b_qf * b_aq, axis=1)
+                     + b_e * b_gamma * b_ke + b_e * b_kak)
+            b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
+        else:
+            b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+            b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
+            b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
+        tl.store(dq + tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_rk)
+
+        # Column-side dk: store the [BK, C] tile transposed into row-major scratch, then read it back as rows.
+        # This is the register transpose that FLA issue 640 miscompiles, done through memory instead.
+        tl.store(dk_col + tok[None, :] * K + o_k[:, None], b_bt, mask=m_kr)
+        if USE_G:
+            b_gb_col += tl.sum(b_ktr.to(tl.float32) * b_bt, axis=0)
+        tl.debug_barrier()
+        b_dkc = tl.load(dk_col + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+        tl.store(dk + tok[:, None] * K + o_k[None, :], (b_dkr + b_dkc).to(dk.dtype.element_ty), mask=m_rk)
+
+    tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
+    tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+    if USE_G:
+        # Ḡ_i −= τ_i⟨K_i, K̄_t,i⟩ for i < n; the last row's own term cancels exactly (self-term split, §6/§8.2),
+        # and the chunk-end decay of S0 and of the writes lands on row n.
+        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * tl.sum(b_frob, axis=0)
+        b_out = b_gb - b_gb_col - b_tail + tl.where(is_last, b_end, 0.0)
+        tl.store(gbar + tok, b_out, mask=m_row)
+
+
+def _check_scalar_gate(G, shape) -> None:
+    if G is not None and tuple(G.shape) != tuple(shape):
+        raise ValueError(f"G must be None or a scalar gate of shape {tuple(shape)} for DeltaNet/GDN kernels, "
+                         f"got {tuple(G.shape)}")
+
+
+def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
+             chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2):
+    """ReWY consumer (§5–6.2). Joint when P and D are None (producer fused), separate otherwise.
+
+    Returns (dq, dk, dv, Gbar, d_erase, d_write): dq, dk, dv in the input dtypes, d_erase/d_write in the
+    dtypes of erase/write, Gbar fp32 [B,T,H] (gate adjoint w.r.t. the cumulative gate; None without gate).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, chunk_size)
+    _check_scalar_gate(G, (B, T, H))
+    for name, t in (("erase", erase), ("write", write)):
+        if tuple(t.shape) != (B, T, H):
+            raise ValueError(f"{name} must be a per-token scalar [B,T,H]={(B, T, H)} here, got {tuple(t.shape)}")
+    for name, t in (("S0", S0), ("dS1", dS1)):
+        if tuple(t.shape) != (B, NT, H, K, V):
+            raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
+    joint = P is None
+    if joint != (D is None):
+        raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    derase = torch.empty_like(erase)
+    dwrite = torch.empty_like(write)
+    rewy_bwd_kernel_consumer[(NT, B * H)](
+        q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
+        dq, dk, dv, dk_col, gbar, derase, dwrite,
+        T, NT, float(scale),
+        H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=G is not None, JOINT=joint,
+        PREC=dot_precision(k.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return dq, dk, dv, gbar, derase, dwrite

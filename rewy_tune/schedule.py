@@ -1,0 +1,151 @@
+"""Schedule: the frozen value that fully determines the ReWY backward pipeline for one operator.
+
+Every field is read by a kernel launcher (`kernels/triton/pipeline.py` says where); two equal schedules
+give bitwise-equal results. A schedule is hashable, JSON round-trips exactly, and `replace(...)` makes a
+changed copy (nested stage fields may be given as dicts: `s.replace(consumer_cfg={"num_warps": 8})`).
+
+Stage map (rewy-math §§3–6):
+- ``recompute``      W = A E, U = A Z (policy R; policy A still recomputes W for the reverse scan)
+- ``forward_scan``   S0 per chunk and R (policy R); block_k × block_v is the scan's state tile
+- ``dv_local``       A_qkᵀ dO with A_qk recomputed from q, k, G
+- ``reverse_scan``   dS1 per chunk, R̄, dh0; block_k × block_v is the scan's state tile
+- ``producer``       P = AᵀR̄, D = −L_<(P Rᵀ) written to memory (only when ``consumer == "separate"``)
+- ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip)
+- ``cumsum``         the reverse in-chunk cumsum of the gate adjoint (block_k: feature tile of vector gates)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+CONSUMER_MODES = ("joint", "separate")
+PD_DTYPES = ("fp32", "input")
+STATE_DTYPES = ("fp32", "input")
+INTRA_MODES = ("auto", "centred", "subchunk")
+CHUNK_SIZES = (16, 32, 64)
+STAGES = ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg", "cumsum")
+
+
+def _pow2(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Launch shape of one stage: feature tiles (block_k over K, block_v over V), warps, pipeline depth."""
+
+    block_k: int = 64
+    block_v: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_k", "block_v"):
+            val = getattr(self, name)
+            if not _pow2(val) or not 16 <= val <= 256:
+                raise ValueError(f"StageConfig.{name} must be a power of two in [16, 256], got {val!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"StageConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"StageConfig.num_stages must be an int in [1, 8], got {self.num_stages!r}")
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | "StageConfig") -> "StageConfig":
+        if isinstance(d, StageConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"StageConfig: expected a dict, got {type(d).__name__}")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"StageConfig: unknown field(s) {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """All tunable choices of the ReWY backward for one operator (see the module docstring)."""
+
+    chunk_size: int = 64
+    recompute: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    forward_scan: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    dv_local: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    reverse_scan: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    producer: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    consumer_cfg: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    cumsum: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 1))
+    state_dtype: str = "fp32"  # storage of per-chunk states S0 / dS1 written by the scans
+    consumer: str = "joint"  # "joint": producer fused into the consumer; "separate": P, D via memory
+    pd_dtype: str = "fp32"  # storage dtype of P and D when consumer == "separate"
+    intra: str = "auto"  # vector-gate intra (KDA/GDN2): centred whole-chunk or 16-row sub-chunk
+
+    def __post_init__(self) -> None:
+        if self.chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"Schedule.chunk_size must be one of {CHUNK_SIZES}, got {self.chunk_size!r}")
+        for name in STAGES:
+            val = getattr(self, name)
+            if isinstance(val, dict):  # accept dicts (JSON, replace) and normalise to StageConfig
+                object.__setattr__(self, name, StageConfig.from_dict(val))
+            elif not isinstance(val, StageConfig):
+                raise ValueError(f"Schedule.{name} must be a StageConfig or dict, got {type(val).__name__}")
+        for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
+                              ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    # -- derived views ----------------------------------------------------------------------------
+    @property
+    def forward_state_tile(self) -> tuple[int, int]:
+        return (self.forward_scan.block_k, self.forward_scan.block_v)
+
+    @property
+    def reverse_state_tile(self) -> tuple[int, int]:
+        return (self.reverse_scan.block_k, self.reverse_scan.block_v)
+
+    # -- serialisation ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            out[f.name] = val.to_dict() if isinstance(val, StageConfig) else val
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Schedule":
+        if not isinstance(d, dict):
+            raise ValueError(f"Schedule: expected a dict, got {type(d).__name__}")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"Schedule: unknown field(s) {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> "Schedule":
+        return cls.from_dict(json.loads(s))
+
+    def replace(self, **changes: Any) -> "Schedule":
+        """Copy with fields changed; a stage field given as a dict updates only the named keys."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"Schedule.replace: unknown field(s) {sorted(unknown)}")
+        for name in STAGES:
+            if isinstance(changes.get(name), dict):
+                changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
+        return dataclasses.replace(self, **changes)
+
+    def validate_for(self, K: int, V: int) -> None:
+        """Raise ValueError if the schedule cannot run for head dims K, V (divisibility of the tiles)."""
+        for name in STAGES:
+            cfg: StageConfig = getattr(self, name)
+            for dim_name, dim, tile in (("K", K, cfg.block_k), ("V", V, cfg.block_v)):
+                if tile > max(16, 1 << (dim - 1).bit_length()):
+                    raise ValueError(f"Schedule.{name}: block_{dim_name.lower()}={tile} exceeds {dim_name}={dim} "
+                                     "rounded up to a power of two")
