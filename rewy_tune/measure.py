@@ -1,0 +1,186 @@
+"""The measurement protocol (architecture.md), one implementation for `rewy-tune bench`, the tuner and tests.
+
+- Boundary B: the complete backward of the public op (recompute included), `torch.autograd.grad` of the
+  op's output, captured in a CUDA graph and replayed. FLA is measured with the same boundary in the same
+  process. FB (forward + backward in one graph) and eager (host launch included, synchronous) are
+  reported beside it.
+- Warm-up until compilation and autotuning are done; then interleaved rounds (ours, FLA, ours, ...),
+  at least 30 observations each; per-shape medians; speedup = geometric mean over shapes of
+  FLA median / ours median. Every sample is kept.
+- Peak backward memory: the allocator's peak during an eager backward, above what was allocated
+  when the backward started (saved activations excluded, gradients included), for both sides.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from rewy_tune import gates
+
+# The ReWY paper's six (B, T, H) shapes; K = V = 128, chunk 64, bf16 inputs.
+DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
+    (1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16),
+)
+MIN_ROUNDS = 30
+
+# `(q, k, v, g, erase, write, scale, initial_state, output_final_state) -> (o, ht)`
+OpFn = Callable[..., tuple]
+
+
+@dataclass
+class SideTiming:
+    """Every observation of one side at one shape, in milliseconds."""
+
+    backward_ms: list[float] = field(default_factory=list)
+    fwd_bwd_ms: list[float] = field(default_factory=list)
+    eager_ms: list[float] = field(default_factory=list)
+    peak_backward_mib: float = math.nan
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.backward_ms)
+
+    @property
+    def spread(self) -> float:
+        """Inter-quartile range over the median: the run-to-run noise of this side."""
+        if len(self.backward_ms) < 4:
+            return math.nan
+        q1, _, q3 = statistics.quantiles(self.backward_ms, n=4)
+        return (q3 - q1) / self.median
+
+
+@dataclass
+class ShapeResult:
+    shape: tuple[int, int, int]
+    K: int
+    V: int
+    ours: SideTiming
+    fla: SideTiming
+
+    @property
+    def speedup(self) -> float:
+        return self.fla.median / self.ours.median
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(speedup=self.speedup, ours_median_ms=self.ours.median, fla_median_ms=self.fla.median,
+                 ours_spread=self.ours.spread, fla_spread=self.fla.spread)
+        return d
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def bench_inputs(op: str, shape: tuple[int, int, int], K: int, V: int, device, seed: int = 0):
+    """Benchmark inputs: bf16 q, k (L2-normalised), v, do; fp32 gates logsigmoid(N(0,1)) (vector /16)."""
+    B, T, H = shape
+    case = gates.GateCase(op=op, B=B, T=T, H=H, K=K, V=V, dtype="bf16", initial_state=False,
+                          final_grad=False)
+    return gates.make_inputs(case, seed, device)
+
+
+class _Side:
+    """One implementation bound to one input set: eager and graph-captured backward (and fwd+bwd)."""
+
+    def __init__(self, op: str, fn: OpFn, inputs: dict[str, torch.Tensor]):
+        self.names = gates.arg_names(op)
+        self.fn = fn
+        self.op = op
+        self.leaves = [inputs[n].detach().clone().requires_grad_(True) for n in self.names]
+        self.do = inputs["do"]
+        self.scale = inputs["q"].shape[-1] ** -0.5
+
+    def _call(self, leaves):
+        args = dict(zip(self.names, leaves))
+        g = args.get("g")
+        erase = args["b"] if self.op == "gdn2" else args["beta"]
+        write = args["w"] if self.op == "gdn2" else args["beta"]
+        o, _ = self.fn(args["q"], args["k"], args["v"], g, erase, write, self.scale, None, False)
+        return o
+
+    def forward(self):
+        self.o = self._call(self.leaves)
+
+    def backward(self):
+        return torch.autograd.grad(self.o, self.leaves, self.do, retain_graph=True)
+
+    def capture(self):
+        """Warm up on a side stream (compiles, autotunes), then capture backward and fwd+bwd graphs."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.forward()
+                self.backward()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.forward()
+        self.bwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd_graph):
+            self.backward()
+        self.fb_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fb_graph):
+            o = self._call(self.leaves)
+            torch.autograd.grad(o, self.leaves, self.do)
+        torch.cuda.synchronize()
+
+    def peak_backward_mib(self) -> float:
+        self.forward()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = self.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del grads
+        return peak / 2**20
+
+    def eager_ms(self) -> float:
+        self.forward()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.backward()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _time_graphs(graphs: list[torch.cuda.CUDAGraph], rounds: int) -> list[list[float]]:
+    """Interleaved replays: round r times graphs[0], graphs[1], ... each once; one sync at the end."""
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(rounds)] for _ in graphs]
+    for r in range(rounds):
+        for i, graph in enumerate(graphs):
+            start, end = events[i][r]
+            start.record()
+            graph.replay()
+            end.record()
+    torch.cuda.synchronize()
+    return [[s.elapsed_time(e) for s, e in side] for side in events]
+
+
+def measure_shape(op: str, ours: OpFn, fla: OpFn | None, shape: tuple[int, int, int], *, K: int = 128,
+                  V: int = 128, rounds: int = MIN_ROUNDS, seed: int = 0, device="cuda") -> ShapeResult:
+    """Measure one shape: ours and FLA on the same inputs, interleaved, every sample kept."""
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"rounds: the protocol needs at least {MIN_ROUNDS} observations, got {rounds}")
+    inputs = bench_inputs(op, shape, K, V, device, seed)
+    sides = [_Side(op, ours, inputs)] + ([_Side(op, fla, inputs)] if fla is not None else [])
+    for side in sides:
+        side.capture()
+    backward = _time_graphs([s.bwd_graph for s in sides], rounds)
+    fwd_bwd = _time_graphs([s.fb_graph for s in sides], rounds)
+    timings = []
+    for i, side in enumerate(sides):
+        t = SideTiming(backward_ms=backward[i], fwd_bwd_ms=fwd_bwd[i])
+        t.eager_ms = [side.eager_ms() for _ in range(10)]
+        t.peak_backward_mib = side.peak_backward_mib()
+        timings.append(t)
+    fla_timing = timings[1] if fla is not None else SideTiming(backward_ms=[math.nan])
+    return ShapeResult(shape=shape, K=K, V=V, ours=timings[0], fla=fla_timing)
