@@ -1,0 +1,349 @@
+"""Shared ReWY backward stages (recompute W/U, forward and reverse state scans, chunk cumsums) against plain
+float64 torch loops over chunks. CPU runs go through the Triton interpreter; the `gpu` class repeats the checks
+at K = V = 128, T = 8192.
+"""
+
+import os
+
+if not os.environ.get("REWY_TEST_NO_INTERPRET"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewy_tune.kernels.triton.cumsum import chunk_cumsum, reverse_chunk_cumsum
+from rewy_tune.kernels.triton.recompute import recompute_wu
+from rewy_tune.kernels.triton.scan import forward_state_scan, reverse_state_scan
+
+GATES = ("none", "scalar", "vector")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# float64 references, written plainly from rewy-math §§2–4
+
+
+def chunks(T, C):
+    return [slice(s, min(s + C, T)) for s in range(0, T, C)]
+
+
+def full_gate(G, shape):
+    """Cumulative gate as [B,T,H,K] float64 (zeros for no gate)."""
+    if G is None:
+        return torch.zeros(shape, dtype=torch.float64, device="cpu" if G is None else G.device)
+    G = G.double()
+    return G[..., None].expand(shape) if G.dim() == 3 else G
+
+
+def ref_recompute(k, v, G, e, w, A, C):
+    B, T, H, K = k.shape
+    k, v, A = k.double(), v.double(), A.double()
+    Gf = full_gate(G, k.shape).to(k.device)
+    e = torch.ones(B, T, H, 1, dtype=torch.float64, device=k.device) if e is None else e.double()
+    e = e[..., None] if e.dim() == 3 else e
+    w = torch.ones(B, T, H, 1, dtype=torch.float64, device=k.device) if w is None else w.double()
+    w = w[..., None] if w.dim() == 3 else w
+    E = e * k * Gf.exp()
+    Z = w * v
+    Wr, Ur = torch.empty_like(E), torch.empty_like(Z)
+    for s in chunks(T, C):
+        n = s.stop - s.start
+        a = A[:, s, :, :n].transpose(1, 2)  # [B,H,n,n]
+        Wr[:, s] = (a @ E[:, s].transpose(1, 2)).transpose(1, 2)
+        Ur[:, s] = (a @ Z[:, s].transpose(1, 2)).transpose(1, 2)
+    return Wr, Ur
+
+
+def ref_forward_scan(k, W, U, G, h0, C):
+    B, T, H, K = k.shape
+    V = U.shape[-1]
+    k, W, U = k.double(), W.double(), U.double()
+    Gf = full_gate(G, k.shape).to(k.device)
+    S = torch.zeros(B, H, K, V, dtype=torch.float64, device=k.device) if h0 is None else h0.double().clone()
+    Hs, R = [], torch.empty_like(U)
+    for s in chunks(T, C):
+        Hs.append(S.clone())
+        Wc, Uc, Kc, Gc = (x[:, s].transpose(1, 2) for x in (W, U, k, Gf))  # [B,H,n,*]
+        Rc = Uc - Wc @ S
+        R[:, s] = Rc.transpose(1, 2)
+        gl = Gc[:, :, -1]  # [B,H,K]
+        Kt = Kc * (gl[:, :, None] - Gc).exp()
+        S = gl.exp()[..., None] * S + Kt.transpose(-1, -2) @ Rc
+    return torch.stack(Hs, 1), R
+
+
+def ref_reverse_scan(q, k, W, G, do, dvl, dht, scale, C):
+    B, T, H, K = k.shape
+    V = do.shape[-1]
+    q, k, W, do = q.double(), k.double(), W.double(), do.double()
+    dvl = torch.zeros_like(do) if dvl is None else dvl.double()
+    Gf = full_gate(G, k.shape).to(k.device)
+    dS = torch.zeros(B, H, K, V, dtype=torch.float64, device=k.device) if dht is None else dht.double().clone()
+    cs = chunks(T, C)
+    dS1, Rb = [None] * len(cs), torch.empty_like(do)
+    for i in reversed(range(len(cs))):
+        s = cs[i]
+        dS1[i] = dS.clone()
+        Qc, Kc, Wc, Gc, dOc, dvc = (x[:, s].transpose(1, 2) for x in (q, k, W, Gf, do, dvl))
+        gl = Gc[:, :, -1]
+        Kt = Kc * (gl[:, :, None] - Gc).exp()
+        Qg = scale * Qc * Gc.exp()
+        Rbc = dvc + Kt @ dS
+        Rb[:, s] = Rbc.transpose(1, 2)
+        dS = gl.exp()[..., None] * dS + Qg.transpose(-1, -2) @ dOc - Wc.transpose(-1, -2) @ Rbc
+    return torch.stack(dS1, 1), Rb, dS
+
+
+def ref_chunk_cumsum(x, C, reverse):
+    x = x.double()
+    y = torch.empty_like(x)
+    for s in chunks(x.shape[1], C):
+        xc = x[:, s]
+        y[:, s] = xc.flip(1).cumsum(1).flip(1) if reverse else xc.cumsum(1)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------
+# inputs: a consistent delta-rule system (l2-normalised keys, β in (0,1), log-sigmoid gates, A = M^{-1})
+
+
+def make_system(B, T, H, K, V, C, gate, *, vec_erase=False, seed=0, device="cpu"):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    if gate == "none":
+        g = None
+    elif gate == "scalar":
+        g = F.logsigmoid(r(B, T, H)) / 4
+    else:
+        g = F.logsigmoid(r(B, T, H, K)) / 4
+    G = None if g is None else ref_chunk_cumsum(g, C, reverse=False)
+    if vec_erase:  # GDN2: erase b ∈ R^K, write w ∈ R^V
+        e = torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+        w = torch.rand(B, T, H, V, generator=gen, dtype=torch.float64)
+    else:
+        e = w = beta
+    Gf = full_gate(G, k.shape)
+    A = torch.full((B, T, H, C), float("nan"), dtype=torch.float64)  # tail columns stay NaN: must be masked
+    ev = e[..., None] if e.dim() == 3 else e
+    for s in chunks(T, C):
+        n = s.stop - s.start
+        Gc, Kc, ec = (x[:, s].transpose(1, 2) for x in (Gf, k, ev))
+        lam = (Gc[:, :, :, None, :] - Gc[:, :, None, :, :]).exp()  # [B,H,i,j,K]
+        L = torch.einsum("bhif,bhjf,bhijf->bhij", ec * Kc, Kc, lam).tril(-1)
+        M = torch.eye(n, dtype=torch.float64) + L
+        A[:, s, :, :n] = torch.linalg.inv(M).transpose(1, 2)
+    out = dict(q=q, k=k, v=v, G=G, g=g, e=e, w=w, A=A)
+    return {n: (x.to(device) if x is not None else None) for n, x in out.items()}
+
+
+def cast(x, dtype):
+    return None if x is None else x.to(dtype)
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def check(x, ref, dtype, name):
+    assert torch.isfinite(x).all(), f"{name}: non-finite values (an unwritten tile?)"
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    err = rel_err(x, ref)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:g}"
+
+
+def as_input(sys_, dtype):
+    """Inputs in `dtype` (G stays fp32) plus their float64 view, so references see the rounded values."""
+    xs = {n: (cast(x, torch.float32) if n in ("G", "g") else cast(x, dtype)) for n, x in sys_.items()}
+    return xs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU (interpreter) tests
+
+
+RECOMPUTE_CASES = [
+    # B, T, H, K, V, C, BK, BV, dtype, vec_erase
+    pytest.param(1, 100, 2, 32, 32, 64, 32, 32, torch.float32, False, id="B1-T100-H2-K32-C64-BK32-BV32-fp32"),
+    pytest.param(2, 128, 2, 64, 64, 32, 32, 64, torch.float32, True, id="B2-T128-H2-K64-C32-BK32-BV64-fp32-gdn2"),
+    pytest.param(1, 100, 2, 64, 32, 64, 64, 16, torch.bfloat16, False, id="B1-T100-H2-K64V32-C64-BK64-BV16-bf16"),
+]
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("B,T,H,K,V,C,BK,BV,dtype,vec_erase", RECOMPUTE_CASES)
+def test_recompute_wu(B, T, H, K, V, C, BK, BV, dtype, vec_erase, gate):
+    s = as_input(make_system(B, T, H, K, V, C, gate, vec_erase=vec_erase, seed=1), dtype)
+    W, U = recompute_wu(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"], chunk_size=C, BK=BK, BV=BV,
+                        num_warps=4, num_stages=2)
+    Wr, Ur = ref_recompute(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"].nan_to_num(), C)
+    assert W.dtype == dtype and U.dtype == dtype
+    check(W, Wr, dtype, "W")
+    check(U, Ur, dtype, "U")
+
+
+SCAN_CASES = [
+    # B, T, H, K, V, C, BV, dtype, state_dtype, with_state, num_segments
+    pytest.param(1, 100, 2, 32, 32, 64, 32, torch.float32, torch.float32, True, 1,
+                 id="B1-T100-H2-K32-C64-BV32-fp32-state32-h0"),
+    pytest.param(2, 128, 2, 64, 64, 32, 32, torch.float32, torch.float32, False, 1,
+                 id="B2-T128-H2-K64-C32-BV32-fp32-nostate"),
+    pytest.param(1, 64, 2, 64, 64, 64, 64, torch.float32, torch.float32, True, 1,
+                 id="B1-T64-H2-K64-C64-BV64-fp32-h0"),
+    pytest.param(1, 100, 2, 32, 32, 16, 16, torch.float32, torch.float32, True, 3,
+                 id="B1-T100-H2-K32-C16-BV16-fp32-h0-seg3"),
+    pytest.param(1, 128, 2, 64, 32, 32, 32, torch.bfloat16, torch.bfloat16, True, 1,
+                 id="B1-T128-H2-K64V32-C32-BV32-bf16-statebf16-h0"),
+    pytest.param(1, 100, 2, 32, 64, 32, 64, torch.bfloat16, torch.float32, False, 2,
+                 id="B1-T100-H2-K32V64-C32-BV64-bf16-state32-seg2"),
+]
+
+
+def _scan_inputs(B, T, H, K, V, C, gate, dtype, seed):
+    s64 = make_system(B, T, H, K, V, C, gate, vec_erase=(gate == "vector"), seed=seed)
+    W64, U64 = ref_recompute(s64["k"], s64["v"], s64["G"], s64["e"], s64["w"], s64["A"].nan_to_num(), C)
+    s = as_input(s64, dtype)
+    s["W"], s["U"] = W64.to(dtype), U64.to(dtype)
+    return s
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("B,T,H,K,V,C,BV,dtype,state_dtype,with_state,num_segments", SCAN_CASES)
+def test_forward_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state, num_segments, gate):
+    s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    h0 = torch.randn(B, H, K, V, generator=gen) if with_state else None
+    Hs, R = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, chunk_size=C, BK=K, BV=BV, num_warps=4,
+                               num_stages=2, state_dtype=state_dtype, num_segments=num_segments)
+    Hr, Rr = ref_forward_scan(s["k"], s["W"], s["U"], s["G"], h0, C)
+    assert Hs.dtype == state_dtype and Hs.shape == (B, math.ceil(T / C), H, K, V)
+    if not with_state:
+        Hr[:, 0] = 0
+        assert (Hs[:, 0] == 0).all()
+        Hs, Hr = Hs[:, 1:], Hr[:, 1:]
+    check(Hs, Hr, dtype, "S0 per chunk")
+    check(R, Rr, dtype, "R")
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("B,T,H,K,V,C,BV,dtype,state_dtype,with_state,num_segments", SCAN_CASES)
+def test_reverse_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state, num_segments, gate):
+    s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(B, T, H, V, generator=gen).to(dtype)
+    dvl = torch.randn(B, T, H, V, generator=gen).to(dtype)
+    dht = torch.randn(B, H, K, V, generator=gen) if with_state else None
+    scale = K ** -0.5
+    dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dvl, dht, scale=scale, chunk_size=C,
+                                      BK=K, BV=BV, num_warps=4, num_stages=2, state_dtype=state_dtype,
+                                      want_dh0=True, num_segments=num_segments)
+    dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, dvl, dht, scale, C)
+    assert dS1.dtype == state_dtype and dh0.dtype == torch.float32
+    if not with_state:
+        assert (dS1[:, -1] == 0).all()
+        dS1, dr = dS1[:, :-1], dr[:, :-1]
+    check(dS1, dr, dtype, "dS1 per chunk")
+    check(Rb, Rr, dtype, "Rbar")
+    check(dh0, hr, dtype, "dh0")
+
+
+def test_reverse_state_scan_no_dvl_no_dh0():
+    B, T, H, K, V, C = 1, 100, 2, 32, 32, 64
+    s = _scan_inputs(B, T, H, K, V, C, "scalar", torch.float32, seed=6)
+    do = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(7))
+    dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, None, scale=0.3, chunk_size=C,
+                                      BK=32, BV=32, num_warps=2, num_stages=1, want_dh0=False)
+    dr, Rr, _ = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, None, None, 0.3, C)
+    assert dh0 is None
+    check(dS1[:, :-1], dr[:, :-1], torch.float32, "dS1")
+    check(Rb, Rr, torch.float32, "Rbar")
+
+
+CUMSUM_CASES = [
+    pytest.param(2, 100, 2, 32, 64, 32, id="B2-T100-H2-K32-C64-BK32"),
+    pytest.param(1, 128, 2, 64, 32, 16, id="B1-T128-H2-K64-C32-BK16"),
+]
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["scalar", "vector"])
+@pytest.mark.parametrize("B,T,H,K,C,BK", CUMSUM_CASES)
+def test_chunk_cumsums(B, T, H, K, C, BK, vector):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn((B, T, H, K) if vector else (B, T, H), generator=gen)
+    for reverse, fn in ((True, reverse_chunk_cumsum), (False, chunk_cumsum)):
+        y = fn(x, chunk_size=C, BK=BK, num_warps=2)
+        assert y.dtype == torch.float32
+        check(y, ref_chunk_cumsum(x, C, reverse), torch.float32, f"cumsum reverse={reverse}")
+    xb = x.to(torch.bfloat16)
+    check(reverse_chunk_cumsum(xb, chunk_size=C, BK=BK, num_warps=4), ref_chunk_cumsum(xb, C, True),
+          torch.float32, "reverse cumsum of bf16")
+
+
+def test_tile_validation():
+    k = torch.zeros(1, 64, 1, 32)
+    v = torch.zeros(1, 64, 1, 32)
+    A = torch.zeros(1, 64, 1, 64)
+    with pytest.raises(ValueError, match="BK"):
+        forward_state_scan(k, k, v, None, None, chunk_size=64, BK=16, BV=32)  # BK must cover K
+    with pytest.raises(ValueError, match="BV"):
+        recompute_wu(k, v, None, None, None, A, chunk_size=64, BK=32, BV=48)
+    with pytest.raises(ValueError, match="chunk_size"):
+        reverse_state_scan(k, k, k, None, v, None, None, scale=1.0, chunk_size=128, BK=32, BV=32)
+    with pytest.raises(ValueError, match="state_dtype"):
+        forward_state_scan(k, k, v, None, None, chunk_size=64, BK=32, BV=32, state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="num_warps"):
+        reverse_chunk_cumsum(k, chunk_size=64, BK=32, num_warps=3)
+    with pytest.raises(ValueError, match="num_segments"):
+        forward_state_scan(k, k, v, None, None, chunk_size=64, BK=32, BV=32, num_segments=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: K = V = 128, T = 8192 (run with REWY_TEST_NO_INTERPRET=1 so Triton compiles for the device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA GPU and REWY_TEST_NO_INTERPRET=1 (compiled Triton)")
+class TestSharedStagesGPU:
+    B, T, H, K, V, C = 1, 8192, 4, 128, 128, 64
+
+    def _system(self, gate, dtype):
+        s64 = make_system(self.B, self.T, self.H, self.K, self.V, self.C, gate, vec_erase=(gate == "vector"),
+                          seed=11, device="cuda")
+        s = as_input(s64, dtype)
+        return s64, s
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    @pytest.mark.parametrize("gate", GATES)
+    def test_pipeline(self, gate, dtype):
+        C = self.C
+        _, s = self._system(gate, dtype)
+        W, U = recompute_wu(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"], chunk_size=C, BK=64, BV=64,
+                            num_warps=4, num_stages=2)
+        Wr, Ur = ref_recompute(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"].nan_to_num(), C)
+        check(W, Wr, dtype, "W")
+        check(U, Ur, dtype, "U")
+        gen = torch.Generator(device="cuda").manual_seed(12)
+        h0 = torch.randn(self.B, self.H, self.K, self.V, device="cuda", generator=gen)
+        do = torch.randn(self.B, self.T, self.H, self.V, device="cuda", generator=gen).to(dtype)
+        dvl = torch.randn(self.B, self.T, self.H, self.V, device="cuda", generator=gen).to(dtype)
+        dht = torch.randn(self.B, self.H, self.K, self.V, device="cuda", generator=gen)
+        Hr, Rr = ref_forward_scan(s["k"], W, U, s["G"], h0, C)
+        dr, Rbr, hr = ref_reverse_scan(s["q"], s["k"], W, s["G"], do, dvl, dht, self.K ** -0.5, C)
+        for BV, nseg, sd in ((64, 1, torch.float32), (32, 8, dtype), (16, 1, dtype)):
+            Hs, R = forward_state_scan(s["k"], W, U, s["G"], h0, chunk_size=C, BK=128, BV=BV, num_warps=4,
+                                       num_stages=2, state_dtype=sd, num_segments=nseg)
+            check(Hs, Hr, dtype, f"S0 BV={BV} seg={nseg}")
+            check(R, Rr, dtype, f"R BV={BV} seg={nseg}")
+            dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], W, s["G"], do, dvl, dht, scale=self.K ** -0.5,
+                                              chunk_size=C, BK=128, BV=BV, num_warps=4, num_stages=2,
+                                              state_dtype=sd, want_dh0=True, num_segments=nseg)
+            check(dS1, dr, dtype, f"dS1 BV={BV} seg={nseg}")
+            check(Rb, Rbr, dtype, f"Rbar BV={BV} seg={nseg}")
+            check(dh0, hr, dtype, f"dh0 BV={BV} seg={nseg}")
+        x = torch.randn(self.B, self.T, self.H, self.K, device="cuda", generator=gen)
+        check(reverse_chunk_cumsum(x, chunk_size=C, BK=64, num_warps=4), ref_chunk_cumsum(x, C, True),
+              torch.float32, "reverse cumsum")
