@@ -49,6 +49,42 @@ def verify(
     raise typer.Exit(code=0 if ok else 1)
 
 
+@app.command()
+def bench(
+    op: str = typer.Option(..., help="deltanet, gdn, kda or gdn2"),
+    policy: str = typer.Option("R", help="R (recompute) or A (save all)"),
+    schedule: str = typer.Option("default", help="default, db, or a Schedule JSON file"),
+    shapes: Optional[list[str]] = typer.Option(None, help="B,T,H (repeatable); default: the paper's six"),
+    head_dim: int = typer.Option(128, "--head-dim", help="K = V"),
+    rounds: int = typer.Option(30, help="interleaved observations per side (>= 30)"),
+    seed: int = typer.Option(0),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write every sample to this JSON file"),
+) -> None:
+    """Time our complete backward against FLA's in one process (CUDA graphs, interleaved rounds)."""
+    import torch
+
+    from rewy_tune.cli.bench import load_schedule, parse_shapes, run_bench, write_json
+    from rewy_tune.cli.verify import ALL_OPS
+
+    if op not in ALL_OPS:
+        _fail(f"--op: unknown operator {op!r}; accepted: {', '.join(ALL_OPS)}")
+    if policy not in ("R", "A"):
+        _fail(f"--policy: got {policy!r}; accepted: R, A")
+    if rounds < 30:
+        _fail(f"--rounds: the measurement protocol needs at least 30, got {rounds}")
+    if not torch.cuda.is_available():
+        _fail("bench needs a CUDA GPU (timings on the CPU interpreter are meaningless)")
+    try:
+        shape_list = parse_shapes(shapes)
+        sched = load_schedule(schedule, op)
+    except ValueError as exc:
+        _fail(str(exc))
+    data = run_bench(op, policy, sched, shape_list, head_dim, head_dim, rounds, seed, console)
+    if json_out:
+        write_json(json_out, data)
+        console.print(f"wrote {json_out}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     app(args=argv)
 

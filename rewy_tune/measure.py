@@ -184,3 +184,44 @@ def measure_shape(op: str, ours: OpFn, fla: OpFn | None, shape: tuple[int, int, 
         timings.append(t)
     fla_timing = timings[1] if fla is not None else SideTiming(backward_ms=[math.nan])
     return ShapeResult(shape=shape, K=K, V=V, ours=timings[0], fla=fla_timing)
+
+
+def rewy_op_fn(op: str, policy: str, schedule) -> OpFn:
+    """Our public op on the Triton backend with a fixed schedule, in the measurement's calling form."""
+    import rewy_tune
+
+    fn = getattr(rewy_tune, f"chunk_{op}")
+
+    def run(q, k, v, g, erase, write, scale, initial_state, output_final_state):
+        coeffs = (erase, write) if op == "gdn2" else (erase,)
+        gate = () if op == "deltanet" else (g,)
+        return fn(q, k, v, *gate, *coeffs, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, policy=policy, backend="triton", schedule=schedule)
+
+    return run
+
+
+def software_versions() -> dict[str, str]:
+    import platform
+
+    import triton
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+    try:
+        from importlib.metadata import version
+
+        versions["fla-core"] = version("fla-core")
+    except Exception:  # noqa: BLE001 - fla-core missing is reported, not fatal
+        versions["fla-core"] = "missing"
+    if torch.cuda.is_available():
+        versions["gpu"] = torch.cuda.get_device_name()
+        versions["cuda"] = torch.version.cuda or "?"
+        try:
+            import subprocess
+
+            versions["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001
+            versions["driver"] = "?"
+    return versions

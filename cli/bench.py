@@ -1,0 +1,92 @@
+"""`rewy-tune bench`: our backward against FLA's, side by side in one process (rewy_tune.measure)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from rewy_tune import measure
+
+
+def parse_shapes(text: list[str] | None) -> list[tuple[int, int, int]]:
+    """'1,512,4' strings → (B, T, H) tuples; a clear ValueError for anything else."""
+    if not text:
+        return list(measure.DEFAULT_SHAPES)
+    shapes = []
+    for item in text:
+        for part in item.split():
+            try:
+                B, T, H = (int(x) for x in part.split(","))
+            except ValueError:
+                raise ValueError(f"--shapes: {part!r} is not B,T,H (three integers, e.g. 1,2048,16)") from None
+            if min(B, T, H) <= 0:
+                raise ValueError(f"--shapes: {part!r} must have positive B, T and H")
+            shapes.append((B, T, H))
+    return shapes
+
+
+def load_schedule(spec: str, op: str):
+    """'default' → the built-in default for this GPU; a path → a Schedule JSON file."""
+    import torch
+
+    from rewy_tune.schedule import Schedule
+    from rewy_tune.search_spaces import default_schedule
+
+    if spec == "default":
+        cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        return default_schedule(op, cc)
+    if spec == "db":
+        raise ValueError("--schedule db: the winners database is not available yet; accepted: default or a JSON file")
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--schedule: {spec!r} is neither 'default', 'db' nor a readable JSON file")
+    try:
+        return Schedule.from_json(path.read_text())
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--schedule {spec}: not a valid schedule: {exc}") from None
+
+
+def run_bench(op: str, policy: str, schedule, shapes, K: int, V: int, rounds: int, seed: int,
+              console: Console) -> dict:
+    from rewy_tune import fla_baseline
+
+    bypassed = fla_baseline.bypass_hopper_guard() if op == "gdn" else False
+    ours = measure.rewy_op_fn(op, policy, schedule)
+    fla = fla_baseline.fla_op(op, policy)
+    results = []
+    for shape in shapes:
+        console.print(f"measuring {op} policy {policy} shape (B,T,H)={shape} K={K} V={V} ...")
+        results.append(measure.measure_shape(op, ours, fla, shape, K=K, V=V, rounds=rounds, seed=seed))
+    geo = measure.geometric_mean([r.speedup for r in results])
+    versions = measure.software_versions()
+
+    table = Table(title=f"{op} policy {policy}: complete backward (CUDA graph), {rounds} interleaved rounds")
+    for col in ("B,T,H", "FLA ms", "ours ms", "FLA/ours", "spread ours/FLA", "FB ratio", "eager ratio",
+                "peak MiB ours/FLA"):
+        table.add_column(col, justify="right")
+    for r in results:
+        fb = measure.statistics.median(r.fla.fwd_bwd_ms) / measure.statistics.median(r.ours.fwd_bwd_ms)
+        eager = measure.statistics.median(r.fla.eager_ms) / measure.statistics.median(r.ours.eager_ms)
+        table.add_row(",".join(map(str, r.shape)), f"{r.fla.median:.4f}", f"{r.ours.median:.4f}",
+                      f"{r.speedup:.3f}x", f"{r.ours.spread:.1%}/{r.fla.spread:.1%}", f"{fb:.3f}x",
+                      f"{eager:.3f}x", f"{r.ours.peak_backward_mib:.1f}/{r.fla.peak_backward_mib:.1f}")
+    console.print(table)
+    console.print(f"geometric mean FLA/ours: [bold]{geo:.3f}x[/bold]   " +
+                  "  ".join(f"{k}={v}" for k, v in versions.items()))
+    if bypassed:
+        console.print("note: FLA's Hopper guard for gated chunk_bwd_dqkwg (FLA issue 640, Triton < 3.7.1) "
+                      "was bypassed for timing only")
+    return {
+        "op": op, "policy": policy, "K": K, "V": V, "rounds": rounds,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "schedule": schedule.to_dict(), "versions": versions, "fla_guard_bypassed": bypassed,
+        "geomean_speedup": geo, "shapes": [r.to_dict() for r in results],
+    }
+
+
+def write_json(path: str, data: dict) -> None:
+    Path(path).write_text(json.dumps(data, indent=1))
