@@ -21,6 +21,9 @@ end). Phase 3 (parallel over segments): the ordinary scan of each segment from i
 storing the outputs. Latency ≈ 2·NT/NS chunk steps + NS small steps instead of NT steps, for ≈ (2 + K/V)×
 the scan's FLOPs. Exact in exact arithmetic; in floating point it re-associates the state recursion
 (Ψ_s products are contractions for |β k|² ≤ 2 and g ≤ 0, so errors do not grow).
+
+Transposed operands (K_tᵀ, Wᵀ, Q_gᵀ) are loaded transposed from memory, never made with tl.trans in
+registers (Triton 3.6 on Hopper miscompiles tl.trans of wgmma-layout values; FLA issue 640).
 """
 
 from __future__ import annotations
@@ -80,19 +83,21 @@ def rewy_fwd_scan_kernel(
         b_r = b_u - mm(b_w, b_s.to(dt), PREC)
         if PHASE == 0:
             tl.store(R + tok[:, None] * V + cols[None, :], b_r.to(R.dtype.element_ty), mask=m_rv)
-        b_kt = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        # K_tᵀ is loaded transposed ([BK, BT]) rather than transposed in registers (see module docstring).
+        m_kr = m_k[:, None] & m_row[None, :]
+        b_ktt = tl.load(k + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
         if GATE == 1:
             b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last).to(tl.float32)
             # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
-            b_kt = b_kt * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
+            b_ktt = b_ktt * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[None, :]
             b_s = b_s * tl.exp(b_gl)
         elif GATE == 2:
-            b_g = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+            b_g = tl.load(G + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_kt = b_kt * tl.where(m_rk, tl.exp(b_gl[None, :] - b_g), 0.0)
+            b_ktt = b_ktt * tl.where(m_kr, tl.exp(b_gl[:, None] - b_g), 0.0)
             b_s = b_s * tl.exp(b_gl)[:, None]
-        b_s += mm(tl.trans(b_kt.to(dt)), b_r.to(dt), PREC)
+        b_s += mm(b_ktt.to(dt), b_r.to(dt), PREC)
 
     if PHASE == 1:
         XW: tl.constexpr = VP + K
@@ -146,20 +151,24 @@ def rewy_bwd_scan_kernel(
             tl.store(p_d, b_ds.to(dS1.dtype.element_ty), mask=m_st)
         m_rk = m_row[:, None] & m_k[None, :]
         m_rv = m_row[:, None] & is_bias[None, :]
+        # Wᵀ and Q_gᵀ are loaded transposed ([BK, BT]) rather than transposed in registers.
+        m_kr = m_k[:, None] & m_row[None, :]
         b_kt = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-        b_w = tl.load(W + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
-        b_qg = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32) * scale
+        b_wt = tl.load(W + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
+        b_qgt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32) * scale
         b_do = tl.load(do + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0)
         if GATE == 1:
             b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last).to(tl.float32)
+            # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
             b_kt = b_kt * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
-            b_qg = b_qg * tl.exp(b_g)[:, None]
+            b_qgt = b_qgt * tl.exp(b_g)[None, :]
         elif GATE == 2:
             b_g = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_kt = b_kt * tl.where(m_rk, tl.exp(b_gl[None, :] - b_g), 0.0)
-            b_qg = b_qg * tl.exp(b_g)
+            b_gt = tl.load(G + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
+            b_qgt = b_qgt * tl.exp(b_gt)
         b_rb = mm(b_kt.to(dt), b_ds.to(dt), PREC)
         if HAS_DVL:
             b_rb += tl.load(dvl + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0).to(tl.float32)
@@ -169,8 +178,8 @@ def rewy_bwd_scan_kernel(
             b_ds = b_ds * tl.exp(b_gl)
         elif GATE == 2:
             b_ds = b_ds * tl.exp(b_gl)[:, None]
-        b_ds += mm(tl.trans(b_qg.to(dt)), b_do.to(dt), PREC)
-        b_ds -= mm(tl.trans(b_w), b_rb.to(dt), PREC)
+        b_ds += mm(b_qgt.to(dt), b_do.to(dt), PREC)
+        b_ds -= mm(b_wt, b_rb.to(dt), PREC)
 
     if PHASE == 0:
         if STORE_DH0:

@@ -5,8 +5,12 @@ at K = V = 128, T = 8192.
 
 import os
 
+# Default: the Triton CPU interpreter (set before triton is imported). REWY_TEST_NO_INTERPRET=1 on a CUDA machine
+# compiles the kernels instead: the small cases then run on the GPU and the `gpu` class runs too.
 if not os.environ.get("REWY_TEST_NO_INTERPRET"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
 
 import math
 
@@ -32,7 +36,7 @@ def chunks(T, C):
 def full_gate(G, shape):
     """Cumulative gate as [B,T,H,K] float64 (zeros for no gate)."""
     if G is None:
-        return torch.zeros(shape, dtype=torch.float64, device="cpu" if G is None else G.device)
+        return torch.zeros(shape, dtype=torch.float64)
     G = G.double()
     return G[..., None].expand(shape) if G.dim() == 3 else G
 
@@ -176,7 +180,7 @@ RECOMPUTE_CASES = [
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("B,T,H,K,V,C,BK,BV,dtype,vec_erase", RECOMPUTE_CASES)
 def test_recompute_wu(B, T, H, K, V, C, BK, BV, dtype, vec_erase, gate):
-    s = as_input(make_system(B, T, H, K, V, C, gate, vec_erase=vec_erase, seed=1), dtype)
+    s = as_input(make_system(B, T, H, K, V, C, gate, vec_erase=vec_erase, seed=1, device=DEV), dtype)
     W, U = recompute_wu(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"], chunk_size=C, BK=BK, BV=BV,
                         num_warps=4, num_stages=2)
     Wr, Ur = ref_recompute(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"].nan_to_num(), C)
@@ -203,7 +207,7 @@ SCAN_CASES = [
 
 
 def _scan_inputs(B, T, H, K, V, C, gate, dtype, seed):
-    s64 = make_system(B, T, H, K, V, C, gate, vec_erase=(gate == "vector"), seed=seed)
+    s64 = make_system(B, T, H, K, V, C, gate, vec_erase=(gate == "vector"), seed=seed, device=DEV)
     W64, U64 = ref_recompute(s64["k"], s64["v"], s64["G"], s64["e"], s64["w"], s64["A"].nan_to_num(), C)
     s = as_input(s64, dtype)
     s["W"], s["U"] = W64.to(dtype), U64.to(dtype)
@@ -215,7 +219,7 @@ def _scan_inputs(B, T, H, K, V, C, gate, dtype, seed):
 def test_forward_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state, num_segments, gate):
     s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=2)
     gen = torch.Generator().manual_seed(3)
-    h0 = torch.randn(B, H, K, V, generator=gen) if with_state else None
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
     Hs, R = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, chunk_size=C, BK=K, BV=BV, num_warps=4,
                                num_stages=2, state_dtype=state_dtype, num_segments=num_segments)
     Hr, Rr = ref_forward_scan(s["k"], s["W"], s["U"], s["G"], h0, C)
@@ -233,9 +237,9 @@ def test_forward_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state
 def test_reverse_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state, num_segments, gate):
     s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=4)
     gen = torch.Generator().manual_seed(5)
-    do = torch.randn(B, T, H, V, generator=gen).to(dtype)
-    dvl = torch.randn(B, T, H, V, generator=gen).to(dtype)
-    dht = torch.randn(B, H, K, V, generator=gen) if with_state else None
+    do = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype)
+    dvl = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype)
+    dht = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
     scale = K ** -0.5
     dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dvl, dht, scale=scale, chunk_size=C,
                                       BK=K, BV=BV, num_warps=4, num_stages=2, state_dtype=state_dtype,
@@ -253,7 +257,7 @@ def test_reverse_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state
 def test_reverse_state_scan_no_dvl_no_dh0():
     B, T, H, K, V, C = 1, 100, 2, 32, 32, 64
     s = _scan_inputs(B, T, H, K, V, C, "scalar", torch.float32, seed=6)
-    do = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(7))
+    do = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(7)).to(DEV)
     dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, None, scale=0.3, chunk_size=C,
                                       BK=32, BV=32, num_warps=2, num_stages=1, want_dh0=False)
     dr, Rr, _ = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, None, None, 0.3, C)
@@ -272,7 +276,7 @@ CUMSUM_CASES = [
 @pytest.mark.parametrize("B,T,H,K,C,BK", CUMSUM_CASES)
 def test_chunk_cumsums(B, T, H, K, C, BK, vector):
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn((B, T, H, K) if vector else (B, T, H), generator=gen)
+    x = torch.randn((B, T, H, K) if vector else (B, T, H), generator=gen).to(DEV)
     for reverse, fn in ((True, reverse_chunk_cumsum), (False, chunk_cumsum)):
         y = fn(x, chunk_size=C, BK=BK, num_warps=2)
         assert y.dtype == torch.float32
@@ -305,7 +309,7 @@ def test_tile_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
                     reason="needs a CUDA GPU and REWY_TEST_NO_INTERPRET=1 (compiled Triton)")
 class TestSharedStagesGPU:
     B, T, H, K, V, C = 1, 8192, 4, 128, 128, 64
