@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
@@ -66,7 +67,7 @@ def make_engine(url: str, *, read_only: bool = False) -> Engine:
         return create_engine(parsed, pool_pre_ping=True)
     path = sqlite_file(parsed)
     if read_only and path is not None:
-        parsed = parsed.set(database=f"file:{path}?mode=ro", query={**parsed.query, "uri": "true"})
+        parsed = parsed.set(database=f"file:{quote(str(path))}?mode=ro", query={**parsed.query, "uri": "true"})
     engine = create_engine(parsed)
 
     @event.listens_for(engine, "connect")
@@ -129,6 +130,7 @@ def open_db(url: str | None = None, *, read_only: bool = False) -> Database:
         raise DatabaseError(f"no rewy-tune database at {label} (a read-only open does not create one)")
     if path is not None and not read_only:
         path.parent.mkdir(parents=True, exist_ok=True)
+    engine = None
     try:
         engine = make_engine(url, read_only=read_only)
         with engine.begin() as conn:
@@ -140,9 +142,11 @@ def open_db(url: str | None = None, *, read_only: bool = False) -> Database:
                                         "open it once with a writer (e.g. `rewy-tune tune`) to migrate it")
             else:
                 version = migrations.upgrade(conn, label=label)[1]
-    except DatabaseError:
-        raise
-    except (SQLAlchemyError, ImportError, OSError) as exc:
+    except (DatabaseError, SQLAlchemyError, ImportError, OSError) as exc:
+        if engine is not None:
+            engine.dispose()
+        if isinstance(exc, DatabaseError):
+            raise
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise DatabaseError(f"cannot open the rewy-tune database at {label}: {reason}") from exc
     return Database(url=url, engine=engine, read_only=read_only, schema_version=version)

@@ -311,3 +311,12 @@ def test_reader_open_while_writers_commit(db):
 def test_unreachable_server_is_a_clear_error():
     with pytest.raises(DatabaseError, match=r"cannot open the rewy-tune database at postgresql://u:\*\*\*@"):
         open_db("postgresql://u:secret@127.0.0.1:1/rewy")
+
+
+def test_read_only_open_of_a_path_with_spaces_and_uri_characters(tmp_path):
+    path = tmp_path / "Application Support" / "odd%#name.db"  # macOS's user data directory has a space
+    open_db(str(path)).close()
+    reader = open_db(str(path), read_only=True)
+    assert reader.schema_version == migrations.CURRENT_VERSION
+    reader.close()
+    assert sorted(p.name for p in path.parent.iterdir() if not p.name.endswith(("-wal", "-shm"))) == [path.name]
