@@ -12,6 +12,11 @@ Stage map (rewy-math §§3–6):
 - ``producer``       P = AᵀR̄, D = −L_<(P Rᵀ) written to memory (only when ``consumer == "separate"``)
 - ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip)
 - ``cumsum``         the reverse in-chunk cumsum of the gate adjoint (block_k: feature tile of vector gates)
+
+Which StageConfig members a stage reads: recompute, dv_local, consumer_cfg all four; forward_scan and
+reverse_scan all four (block_k must cover K); producer block_v, num_warps, num_stages; cumsum num_warps
+(and block_k for vector gates). The search spaces pin the members a stage does not read to one value.
+``intra`` is read only by vector-gate operators (KDA/GDN2); scalar gates form Λ exactly and accept any value.
 """
 
 from __future__ import annotations
@@ -73,9 +78,9 @@ class Schedule:
 
     chunk_size: int = 64
     recompute: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
-    forward_scan: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    forward_scan: StageConfig = field(default_factory=lambda: StageConfig(128, 64, 4, 2))
     dv_local: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
-    reverse_scan: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
+    reverse_scan: StageConfig = field(default_factory=lambda: StageConfig(128, 64, 4, 2))
     producer: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
     consumer_cfg: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
     cumsum: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 1))
@@ -83,6 +88,8 @@ class Schedule:
     consumer: str = "joint"  # "joint": producer fused into the consumer; "separate": P, D via memory
     pd_dtype: str = "fp32"  # storage dtype of P and D when consumer == "separate"
     intra: str = "auto"  # vector-gate intra (KDA/GDN2): centred whole-chunk or 16-row sub-chunk
+    forward_scan_segments: int = 1  # sequence split of the forward scan (parallel segments, see scan.py)
+    reverse_scan_segments: int = 1  # sequence split of the reverse scan
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -93,6 +100,10 @@ class Schedule:
                 object.__setattr__(self, name, StageConfig.from_dict(val))
             elif not isinstance(val, StageConfig):
                 raise ValueError(f"Schedule.{name} must be a StageConfig or dict, got {type(val).__name__}")
+        for name in ("forward_scan_segments", "reverse_scan_segments"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 64:
+                raise ValueError(f"Schedule.{name} must be an int in [1, 64], got {val!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES)):
             if getattr(self, name) not in allowed:
@@ -142,10 +153,9 @@ class Schedule:
         return dataclasses.replace(self, **changes)
 
     def validate_for(self, K: int, V: int) -> None:
-        """Raise ValueError if the schedule cannot run for head dims K, V (divisibility of the tiles)."""
-        for name in STAGES:
-            cfg: StageConfig = getattr(self, name)
-            for dim_name, dim, tile in (("K", K, cfg.block_k), ("V", V, cfg.block_v)):
-                if tile > max(16, 1 << (dim - 1).bit_length()):
-                    raise ValueError(f"Schedule.{name}: block_{dim_name.lower()}={tile} exceeds {dim_name}={dim} "
-                                     "rounded up to a power of two")
+        """Raise ValueError if the schedule cannot run for head dims K, V (the scans hold all K rows)."""
+        for name in ("forward_scan", "reverse_scan"):
+            cfg = getattr(self, name)
+            if cfg.block_k < K:
+                raise ValueError(f"Schedule.{name}.block_k={cfg.block_k} must cover K={K}: the scans keep all K "
+                                 "rows of the state tile in one program")

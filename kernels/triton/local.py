@@ -20,6 +20,8 @@ barrier, a row load), never through ``tl.trans``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +29,20 @@ import triton.language as tl
 
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs promise fp32 results: tl.dot would otherwise round fp32 operands to tf32 on the GPU.
+    # Triton 3.6.0's interpreter returns garbage for bf16 × bf16 tl.dot (fp16 and fp32 are fine), so under
+    # TRITON_INTERPRET=1 bf16 operands (already rounded to bf16) are multiplied in fp32 ("upcast"), which is
+    # what the GPU's bf16 MMA with fp32 accumulation computes.
+    if os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16:
+        return "upcast"
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _mma(a, b, PREC: tl.constexpr):
+    if PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -56,7 +71,7 @@ def rewy_bwd_kernel_dv_local(
         m_k = o_k < K
         b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
         b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
-        b_at += tl.dot(b_k, b_qt, input_precision=PREC)
+        b_at += _mma(b_k, b_qt, PREC)
     # row index j, column index i; keep i ≥ j (mask before exponentiating)
     m_at = (o_i[:, None] <= o_i[None, :]) & m_row[:, None] & m_row[None, :]
     if USE_G:
@@ -71,7 +86,7 @@ def rewy_bwd_kernel_dv_local(
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(DT)
-        b_dv = tl.dot(b_at, b_do, input_precision=PREC)
+        b_dv = _mma(b_at, b_do, PREC)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
 
 
@@ -116,10 +131,10 @@ def rewy_bwd_kernel_producer(
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
         b_rb = tl.load(Rbar + p_v, mask=m_v, other=0.0).to(DT)
-        b_p = tl.dot(b_at, b_rb, input_precision=PREC)
+        b_p = _mma(b_at, b_rb, PREC)
         tl.store(P + p_v, b_p.to(P.dtype.element_ty), mask=m_v)
         b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=(o_v < V)[:, None] & m_row[None, :], other=0.0)
-        b_d += tl.dot(b_p.to(DT), b_rt.to(DT), input_precision=PREC)
+        b_d += _mma(b_p.to(DT), b_rt.to(DT), PREC)
     b_d = tl.where((o_i[:, None] > o_i[None, :]) & m_cc, -b_d, 0.0)
     tl.store(D + tok[:, None] * BT + o_i[None, :], b_d.to(D.dtype.element_ty), mask=m_row[:, None])
 
@@ -202,7 +217,7 @@ def rewy_bwd_kernel_consumer(
             if JOINT:
                 # P tile recomputed per K tile when K > BK: trades 2n²·BV FLOPs for no P round trip.
                 b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0).to(DT)
-                b_p = tl.dot(b_at, b_rb, input_precision=PREC)
+                b_p = _mma(b_at, b_rb, PREC)
             else:
                 b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
             # S0ᵀ / dS1ᵀ tiles [BV, BK], loaded transposed from the [K, V] state.
@@ -213,17 +228,17 @@ def rewy_bwd_kernel_consumer(
             if i_k == 0:
                 b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_row[None, :], other=0.0)
                 if JOINT:
-                    b_D += tl.dot(b_p.to(DT), b_rt.to(DT), input_precision=PREC)
-                b_H += tl.dot(b_do.to(DT), b_rt.to(DT), input_precision=PREC)
+                    b_D += _mma(b_p.to(DT), b_rt.to(DT), PREC)
+                b_H += _mma(b_do.to(DT), b_rt.to(DT), PREC)
                 b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
                 b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
                 b_dwr += tl.sum(b_vv * b_p, axis=1)
                 tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
             if USE_G:
                 b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=1)
-            b_pe += tl.dot(b_p.to(DT), b_s0t.to(DT), input_precision=PREC)
-            b_qg += tl.dot(b_do.to(DT), b_s0t.to(DT), input_precision=PREC)
-            b_kt += tl.dot(b_r.to(DT), b_ds1t.to(DT), input_precision=PREC)
+            b_pe += _mma(b_p.to(DT), b_s0t.to(DT), PREC)
+            b_qg += _mma(b_do.to(DT), b_s0t.to(DT), PREC)
+            b_kt += _mma(b_r.to(DT), b_ds1t.to(DT), PREC)
 
         if i_k == 0:
             if JOINT:
@@ -245,10 +260,10 @@ def rewy_bwd_kernel_consumer(
         b_ktr = tl.load(k + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
         b_ekt = (b_ktr.to(tl.float32) * b_e[None, :]).to(DT)
         # Row side: A_Q = Γ_q K, A_K = Γ_r K.  Column side computed transposed: B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r.
-        b_aq = tl.dot(b_gq, b_k.to(DT), input_precision=PREC)
-        b_ak = tl.dot(b_gr, b_k.to(DT), input_precision=PREC)
-        b_bt = tl.dot(b_qt.to(DT), b_gq, input_precision=PREC)
-        b_bt = tl.dot(b_ekt, b_gr, b_bt, input_precision=PREC)
+        b_aq = _mma(b_gq, b_k.to(DT), PREC)
+        b_ak = _mma(b_gr, b_k.to(DT), PREC)
+        b_bt = _mma(b_qt.to(DT), b_gq, PREC)
+        b_bt += _mma(b_ekt, b_gr, PREC)
 
         b_qf = b_q.to(tl.float32)
         b_kf = b_k.to(tl.float32)

@@ -1,0 +1,155 @@
+"""The complete ReWY backward of DeltaNet / GDN (no gate or scalar gate) as a chain of Triton stages.
+
+Order (rewy-math §§3–6): G = chunk cumsum of g → [policy R] W, U = recompute(A) and S0, R = forward scan
+→ dv_local = A_qkᵀ dO → reverse scan (dS1, R̄, dh0) → [separate] producer P, D → consumer (dq, dk, dv,
+d_erase, d_write, Ḡ) → dg = reverse in-chunk cumsum of Ḡ. Policy A passes S0 and R; W is recomputed in both
+policies because the reverse scan uses the −WᵀR̄ form (§4 (i)).
+
+Every Schedule field is read here and passed to exactly one stage:
+chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
+forward_state_scan; dv_local → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
+reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer;
+cumsum → chunk_cumsum / reverse_chunk_cumsum; intra is validated but scalar gates form Λ exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewy_tune.schedule import Schedule
+
+from .cumsum import chunk_cumsum, reverse_chunk_cumsum
+from .local import consumer as run_consumer
+from .local import dv_local as run_dv_local
+from .local import producer as run_producer
+from .recompute import recompute_wu
+from .scan import forward_state_scan, reverse_state_scan
+
+MAX_HEAD_DIM = 256
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dtype_of(name: str, schedule_value: str, input_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if schedule_value == "fp32" else input_dtype
+
+
+def _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule) -> None:
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a rewy_tune.schedule.Schedule, got {type(schedule).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("A", A), ("do", do), ("erase", erase), ("write", write)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q, k must be [B,T,H,K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be [B,T,H,V] with B,T,H = {(B, T, H)}, got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"head dims K={K}, V={V}: the Triton kernels support K, V <= {MAX_HEAD_DIM}")
+    if q.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"q/k/v dtype {q.dtype} is not supported by the Triton backward; accepted: float16, "
+                         "bfloat16, float32 (float64: use the torch reference backend)")
+    if k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
+        raise ValueError(f"q, k, v, do must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}")
+    if do.shape != v.shape:
+        raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
+    for name, t in (("erase", erase), ("write", write)):
+        if tuple(t.shape) != (B, T, H):
+            raise ValueError(f"{name} must be a per-token scalar [B,T,H]={(B, T, H)} for DeltaNet/GDN, got "
+                             f"{tuple(t.shape)} (vector erase/write is GDN2)")
+        if not t.is_floating_point() or t.dtype == torch.float64:
+            raise ValueError(f"{name} dtype {t.dtype} not supported; accepted: float16, bfloat16, float32")
+    for name, t in (("g", g), ("G", G)):
+        if t is not None:
+            if tuple(t.shape) != (B, T, H):
+                raise ValueError(f"{name} must be None or a scalar gate [B,T,H]={(B, T, H)} for DeltaNet/GDN, got "
+                                 f"{tuple(t.shape)} (vector gates are KDA/GDN2)")
+            if not t.is_floating_point() or t.dtype == torch.float64:
+                raise ValueError(f"{name} dtype {t.dtype} not supported; accepted: float16, bfloat16, float32")
+    C = schedule.chunk_size
+    if tuple(A.shape) != (B, T, H, C):
+        raise ValueError(f"A must be [B,T,H,chunk_size]={(B, T, H, C)}, got {tuple(A.shape)}")
+    for name, t in (("initial_state", initial_state), ("dht", dht)):
+        if t is not None and tuple(t.shape) != (B, H, K, V):
+            raise ValueError(f"{name} must be [B,H,K,V]={(B, H, K, V)}, got {tuple(t.shape)}")
+    if (S0 is None) != (R is None):
+        raise ValueError("policy A passes both S0 and R; policy R passes neither")
+    if S0 is not None:
+        NT = -(-T // C)
+        if tuple(S0.shape) != (B, NT, H, K, V):
+            raise ValueError(f"S0 must be [B,NT,H,K,V]={(B, NT, H, K, V)}, got {tuple(S0.shape)}")
+        if tuple(R.shape) != (B, T, H, V):
+            raise ValueError(f"R must be [B,T,H,V]={(B, T, H, V)}, got {tuple(R.shape)}")
+    devices = {t.device for t in (q, k, v, A, do, erase, write, g, G, dht, initial_state, S0, R) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    schedule.validate_for(K, V)
+
+
+def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
+                         S0=None, R=None, G=None):
+    """ReWY backward of DeltaNet (g None) / GDN (g [B,T,H]) on Triton.
+
+    q, k [B,T,H,K]; v, do [B,T,H,V] (one dtype: fp16/bf16/fp32); g, erase, write [B,T,H]; A = M^{-1}
+    [B,T,H,chunk_size] (any float dtype, e.g. FLA's bf16 or the reference's fp32); dht, initial_state None or
+    [B,H,K,V]; S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A (None: policy R recomputes them); G the
+    natural-log chunk cumsum of g (None: computed here). Non-contiguous tensors are made contiguous.
+
+    Returns (dq, dk, dv, dg, d_erase, d_write, dh0): dq, dk, dv in q's dtype; dg in g's dtype (None without a
+    gate); d_erase, d_write in erase's / write's dtypes (the erase and write paths of β, returned apart);
+    dh0 fp32 (None without an initial state).
+    """
+    _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
+    q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
+    erase, write = erase.contiguous(), write.contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    initial_state = initial_state.contiguous() if initial_state is not None else None
+    sc = schedule
+    C = sc.chunk_size
+    state_dtype = _dtype_of("state_dtype", sc.state_dtype, q.dtype)
+
+    if g is not None and G is None:
+        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
+    elif G is not None:
+        G = G.to(torch.float32).contiguous()
+    if g is None:
+        G = None
+
+    rc = sc.recompute
+    W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
+                        num_warps=rc.num_warps, num_stages=rc.num_stages)
+    if S0 is None:
+        fs = sc.forward_scan
+        S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
+                                   num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
+                                   num_segments=sc.forward_scan_segments)
+    else:
+        S0, R = S0.contiguous(), R.contiguous()
+    del U
+
+    dl = sc.dv_local
+    dvl = run_dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
+                       num_warps=dl.num_warps, num_stages=dl.num_stages)
+    rs = sc.reverse_scan
+    dS1, Rbar, dh0 = reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k,
+                                        BV=rs.block_v, num_warps=rs.num_warps, num_stages=rs.num_stages,
+                                        state_dtype=state_dtype, want_dh0=initial_state is not None,
+                                        num_segments=sc.reverse_scan_segments)
+    del dvl, W
+
+    P = D = None
+    if sc.consumer == "separate":
+        pr = sc.producer
+        P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
+                            num_stages=pr.num_stages, pd_dtype=_dtype_of("pd_dtype", sc.pd_dtype, q.dtype))
+    cc = sc.consumer_cfg
+    dq, dk, dv, gbar, d_erase, d_write = run_consumer(
+        q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
+        BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages)
+
+    dg = None
+    if g is not None:
+        dg = reverse_chunk_cumsum(gbar, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
+        dg = dg.to(g.dtype)
+    return dq, dk, dv, dg, d_erase, d_write, dh0

@@ -1,0 +1,338 @@
+"""ReWY Triton backward for DeltaNet and GDN (`kernels/triton/pipeline.py`) against the float64 torch oracle
+(`kernels/reference`: chunk_forward + rewy_backward). CPU runs go through the Triton interpreter; the `gpu`
+tests repeat the checks at the benchmark shapes (K = V = 128, bf16) and check determinism and graph replay.
+
+Thresholds are the project's gates (architecture.md): relative RMS ≤ 0.8 % for ordinary tensors, ≤ 2 % for
+dg / d_erase / d_write (β). Never loosen them.
+"""
+
+import os
+
+if not os.environ.get("REWY_TEST_NO_INTERPRET"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewy_tune.kernels.reference.chunk_forward import chunk_forward
+from rewy_tune.kernels.reference.rewy_backward import rewy_backward
+from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
+from rewy_tune.schedule import Schedule, StageConfig
+
+ORDINARY, GATE = 0.008, 0.02
+GATE_LIKE = ("dg", "d_erase", "d_write")
+NAMES = ("dq", "dk", "dv", "dg", "d_erase", "d_write", "dh0")
+
+# Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
+BASE = Schedule(
+    recompute=StageConfig(32, 32, 4, 2), forward_scan=StageConfig(64, 32, 4, 2),
+    dv_local=StageConfig(32, 32, 4, 2), reverse_scan=StageConfig(64, 32, 4, 2),
+    producer=StageConfig(32, 32, 4, 2), consumer_cfg=StageConfig(32, 32, 4, 2), cumsum=StageConfig(32, 32, 4, 1),
+)
+OTHERS = {
+    "separate-fp32-bk16": BASE.replace(consumer="separate", pd_dtype="fp32", consumer_cfg={"block_k": 16, "block_v": 16}),
+    "separate-input-bv64": BASE.replace(consumer="separate", pd_dtype="input", producer={"block_v": 64},
+                                        consumer_cfg={"block_k": 64, "block_v": 64}, dv_local={"block_k": 16, "block_v": 64}),
+}
+
+
+@pytest.fixture(autouse=True)
+def nan_poison(monkeypatch):
+    """Every torch.empty / empty_like inside the kernels' launchers starts as NaN (catches unwritten tiles)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(x):
+        if x.is_floating_point():
+            x.fill_(float("nan"))
+        return x
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(empty_like(*a, **kw)))
+
+
+def make_inputs(op, B, T, H, K, V, *, dtype=torch.float32, device="cpu", seed=0, h0=True, dht=True,
+                beta_zero=False, gate_div=4.0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q = r(B, T, H, K)
+    k = F.normalize(r(B, T, H, K), dim=-1)
+    v = r(B, T, H, V)
+    beta = torch.rand(B, T, H, generator=gen)
+    if beta_zero:
+        beta = beta * (torch.rand(B, T, H, generator=gen) < 0.5)  # exact zeros mixed with O(1)
+        beta[:, : T // 2] = 0.0
+    g = F.logsigmoid(r(B, T, H)) / gate_div if op == "gdn" else None
+    do = r(B, T, H, V)
+    h = r(B, H, K, V) if h0 else None
+    dh = r(B, H, K, V) if dht else None
+    cast = lambda x, dt=dtype: None if x is None else x.to(device=device, dtype=dt)
+    return dict(q=cast(q), k=cast(k), v=cast(v), g=cast(g, torch.float32), beta=cast(beta), do=cast(do),
+                h0=cast(h, torch.float32), dht=cast(dh, torch.float32))
+
+
+def oracle(x, C=64):
+    """float64 forward + ReWY backward of the torch reference (separate erase/write parts)."""
+    d = {n: (t.double().cpu() if t is not None else None) for n, t in x.items()}
+    scale = d["q"].shape[-1] ** -0.5
+    fwd = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["beta"], d["beta"], scale=scale,
+                        initial_state=d["h0"], chunk_size=C)
+    gr = rewy_backward(d["q"], d["k"], d["v"], d["g"], d["beta"], d["beta"], fwd, d["do"], d["dht"], scale=scale,
+                       initial_state=d["h0"], chunk_size=C, policy="R")
+    return dict(dq=gr.dq, dk=gr.dk, dv=gr.dv, dg=gr.dg, d_erase=gr.d_erase, d_write=gr.d_write, dh0=gr.dh0)
+
+
+def run_triton(x, schedule, policy="R"):
+    """Forward through the torch reference in the input's working dtype (as the CPU autograd Function does),
+    then the Triton backward."""
+    scale = x["q"].shape[-1] ** -0.5
+    fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=scale, initial_state=x["h0"],
+                        chunk_size=schedule.chunk_size, save_states=policy == "A")
+    kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
+    out = rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], fwd.A, x["do"], x["dht"],
+                               scale=scale, initial_state=x["h0"], schedule=schedule, **kw)
+    return dict(zip(NAMES, out))
+
+
+def rel_rms(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    den = b.pow(2).mean().sqrt().item()
+    num = (a - b).pow(2).mean().sqrt().item()
+    return num / den if den > 0 else num
+
+
+def assert_gates(out, ref, *, ctx=""):
+    errs = {}
+    for n in NAMES:
+        if ref[n] is None:
+            assert out[n] is None, f"{ctx}: {n} should be None"
+            continue
+        assert out[n] is not None, f"{ctx}: {n} missing"
+        assert out[n].shape == ref[n].shape, f"{ctx}: {n} shape {tuple(out[n].shape)} vs {tuple(ref[n].shape)}"
+        assert torch.isfinite(out[n]).all(), f"{ctx}: {n} has non-finite values (unwritten tile?)"
+        errs[n] = rel_rms(out[n], ref[n])
+        tol = GATE if n in GATE_LIKE else ORDINARY
+        assert errs[n] <= tol, f"{ctx}: {n} rel RMS {errs[n]:.2e} > {tol} (all: {errs})"
+    return errs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# correctness against the oracle
+
+
+@pytest.mark.parametrize("K", [32, 64])
+@pytest.mark.parametrize("T", [64, 100, 128])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_default_schedule(op, T, K):
+    policy = "A" if (T + K) % 3 == 0 else "R"  # both policies across the grid; each also has its own test
+    x = make_inputs(op, 1, T, 2, K, K, seed=T + K)
+    out = run_triton(x, BASE, policy)
+    for n in ("dq", "dk", "dv"):
+        assert out[n].dtype == torch.float32
+    assert_gates(out, oracle(x), ctx=f"{op} T{T} K{K} {policy}")
+
+
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("name", list(OTHERS))
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_other_schedules(op, name, policy):
+    x = make_inputs(op, 2, 100, 1, 32, 64, seed=7)  # K ≠ V, tail chunk of 36 rows
+    assert_gates(run_triton(x, OTHERS[name], policy), oracle(x), ctx=f"{op} {name} {policy}")
+
+
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_no_initial_state_no_dht(op):
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=3, h0=False, dht=False)
+    out = run_triton(x, BASE)
+    assert out["dh0"] is None
+    assert_gates(out, oracle(x), ctx=f"{op} no h0/dht")
+
+
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_beta_zero(op):
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=5, beta_zero=True)
+    assert_gates(run_triton(x, OTHERS["separate-fp32-bk16"]), oracle(x), ctx=f"{op} beta zero")
+
+
+def test_strong_decay_gdn():
+    # g ≈ logsigmoid(N)·4: chunk gate ranges far past exp's fp32 range if Λ were split into exp(G_i)·exp(−G_j).
+    x = make_inputs("gdn", 1, 128, 1, 32, 32, seed=11, gate_div=0.25)
+    assert_gates(run_triton(x, BASE), oracle(x), ctx="gdn strong decay")
+
+
+def test_single_partial_chunk():
+    x = make_inputs("gdn", 1, 10, 1, 32, 32, seed=2)
+    assert_gates(run_triton(x, BASE, "A"), oracle(x), ctx="gdn T10")
+
+
+# Each field changed alone from BASE (both values pass the gate). chunk_size is checked at 32.
+FIELD_CHANGES = {
+    "chunk_size": 32,
+    "recompute": {"block_k": 16, "block_v": 64, "num_warps": 2},
+    "forward_scan": {"block_k": 32, "block_v": 16},
+    "dv_local": {"block_k": 16, "block_v": 16},
+    "reverse_scan": {"block_v": 64, "num_warps": 8},
+    "producer": {"block_v": 16},  # read in separate mode: paired with consumer="separate" below
+    "consumer_cfg": {"block_k": 16, "block_v": 64},
+    "cumsum": {"num_warps": 1},
+    "state_dtype": "input",
+    "consumer": "separate",
+    "pd_dtype": "input",  # read in separate mode
+    "intra": "centred",
+    "forward_scan_segments": 2,
+    "reverse_scan_segments": 3,
+}
+
+
+def test_field_changes_cover_schedule():
+    assert set(FIELD_CHANGES) == {f.name for f in dataclasses.fields(Schedule)}
+
+
+@pytest.mark.parametrize("field", list(FIELD_CHANGES))
+def test_each_field_one_at_a_time(field):
+    base = BASE.replace(consumer="separate") if field in ("producer", "pd_dtype") else BASE
+    changed = base.replace(**{field: FIELD_CHANGES[field]})
+    assert changed != base
+    x = make_inputs("gdn", 1, 100, 1, 32, 32, seed=13)
+    ref = oracle(x, C=changed.chunk_size)
+    ref_base = oracle(x) if changed.chunk_size != base.chunk_size else ref
+    assert_gates(run_triton(x, base), ref_base, ctx=f"{field} base")
+    assert_gates(run_triton(x, changed), ref, ctx=f"{field} changed")
+
+
+def test_bf16_inputs_run():
+    # bf16 storage of q/k/v/A: only finiteness and a loose sanity bound here (the gates are for fp32 on CPU).
+    x = make_inputs("gdn", 1, 64, 1, 32, 32, dtype=torch.bfloat16, seed=17)
+    out = run_triton(x, BASE)
+    assert out["dq"].dtype == torch.bfloat16 and out["dg"].dtype == torch.float32 and out["dh0"].dtype == torch.float32
+    ref = oracle(x)
+    for n in NAMES:
+        assert torch.isfinite(out[n].float()).all()
+        assert rel_rms(out[n], ref[n]) < 0.05, n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_inputs():
+    x = make_inputs("gdn", 1, 64, 1, 32, 32)
+    A = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=1.0, chunk_size=64).A
+    call = lambda **over: rewy_backward_triton(**{**dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], erase=x["beta"],
+                                                      write=x["beta"], A=A, do=x["do"], dht=None, scale=1.0,
+                                                      initial_state=None, schedule=BASE), **over})
+    big = torch.zeros(1, 64, 1, 512)
+    with pytest.raises(ValueError, match="K, V <= 256"):
+        call(q=big, k=big)
+    with pytest.raises(ValueError, match="dtype"):
+        call(q=x["q"].double(), k=x["k"].double(), v=x["v"].double(), do=x["do"].double())
+    with pytest.raises(ValueError, match="share one dtype"):
+        call(k=x["k"].half())
+    with pytest.raises(ValueError, match="scalar gate"):
+        call(g=torch.zeros(1, 64, 1, 32))
+    with pytest.raises(ValueError, match="per-token scalar"):
+        call(erase=torch.zeros(1, 64, 1, 32))
+    with pytest.raises(TypeError, match="Schedule"):
+        call(schedule={"chunk_size": 64})
+    with pytest.raises(ValueError, match="must cover K"):
+        call(schedule=BASE.replace(forward_scan={"block_k": 16}))
+    # Non-contiguous inputs are documented to be made contiguous: same result as contiguous ones.
+    qn = torch.cat([x["q"], x["q"]], dim=-1)[..., : x["q"].shape[-1]]
+    assert not qn.is_contiguous()
+    a, b = call(), call(q=qn)
+    for u, w in zip(a, b):
+        if u is not None:
+            assert torch.equal(u, w)
+
+
+def test_schedule_json_roundtrip_and_validation():
+    s = OTHERS["separate-input-bv64"]
+    assert Schedule.from_json(s.to_json()) == s and hash(Schedule.from_json(s.to_json())) == hash(s)
+    with pytest.raises(ValueError, match="consumer"):
+        BASE.replace(consumer="fused")
+    with pytest.raises(ValueError, match="block_k"):
+        StageConfig(block_k=48)
+    with pytest.raises(ValueError, match="unknown"):
+        Schedule.from_dict({"chunk": 64})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU (the lead engineer runs these on the device)
+
+BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
+
+
+def _gpu_default():
+    from rewy_tune.search_spaces import default_schedule
+
+    return default_schedule(torch.cuda.get_device_capability())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
+def test_gpu_bench_shapes(op, B, T, H):
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
+    out = run_triton(x, _gpu_default())
+    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("KV", [64, 256])
+def test_gpu_head_dims(op, KV):
+    x = make_inputs(op, 1, 1000, 4, KV, KV, dtype=torch.bfloat16, device="cuda", seed=KV, gate_div=1.0)
+    from rewy_tune.search_spaces import default_schedule
+
+    out = run_triton(x, default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV))
+    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    assert_gates(out, ref, ctx=f"gpu {op} K=V={KV}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
+def test_gpu_run_twice_bitwise(consumer):
+    x = make_inputs("gdn", 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
+    s = _gpu_default().replace(consumer=consumer)
+    a, b = run_triton(x, s), run_triton(x, s)
+    for n in NAMES:
+        assert torch.equal(a[n], b[n]), n
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    s = _gpu_default()
+    x = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
+    y = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=2, gate_div=1.0)
+    scale = 128 ** -0.5
+    fx = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=scale, initial_state=x["h0"])
+    fy = chunk_forward(y["q"], y["k"], y["v"], y["g"], y["beta"], y["beta"], scale=scale, initial_state=y["h0"])
+    static = {**{n: t.clone() for n, t in x.items()}, "A": fx.A.clone()}
+
+    def bwd():
+        return rewy_backward_triton(static["q"], static["k"], static["v"], static["g"], static["beta"], static["beta"],
+                                    static["A"], static["do"], static["dht"], scale=scale, initial_state=static["h0"],
+                                    schedule=s)
+
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        bwd()  # compile outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = bwd()
+    for n, t in y.items():
+        static[n].copy_(t)
+    static["A"].copy_(fy.A)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = rewy_backward_triton(y["q"], y["k"], y["v"], y["g"], y["beta"], y["beta"], fy.A, y["do"], y["dht"],
+                                 scale=scale, initial_state=y["h0"], schedule=s)
+    for n, a, b in zip(NAMES, outs, eager):
+        if b is not None:
+            assert torch.equal(a, b), n
