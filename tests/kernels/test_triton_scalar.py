@@ -336,3 +336,28 @@ def test_gpu_cuda_graph_replay():
     for n, a, b in zip(NAMES, outs, eager):
         if b is not None:
             assert torch.equal(a, b), n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# search space
+
+
+def test_search_space_defaults_and_constraints():
+    from rewy_tune.search_spaces import constraint, default_schedule, schedule_from_params, space
+
+    for K in (64, 128, 256):
+        s = default_schedule((9, 0), K=K, V=K)
+        assert constraint(s, {"K": K, "V": K, "dtype": "bf16", "compute_capability": (9, 0)}) == []
+    assert constraint(default_schedule(None), {"K": 128, "V": 128, "smem_limit": 101376}) == []
+    # every single choice builds a valid Schedule
+    sp = space(128, 128)
+    for name, choices in sp.items():
+        for c in choices:
+            schedule_from_params({name: c}, base=default_schedule((9, 0)))
+    huge = default_schedule((9, 0)).replace(consumer_cfg={"block_k": 128, "block_v": 128, "num_warps": 2,
+                                                          "num_stages": 3})
+    reasons = constraint(huge, {"K": 128, "V": 128, "dtype": "fp32"})
+    assert any("shared memory" in r for r in reasons) and any("spill" in r for r in reasons)
+    assert any("must cover" in r or "< K" in r for r in constraint(BASE, {"K": 128, "V": 128}))
+    assert any("does not divide" in r for r in constraint(default_schedule((9, 0), K=96, V=96).replace(
+        consumer_cfg={"block_k": 64}), {"K": 96, "V": 96}))

@@ -1,0 +1,235 @@
+"""Search space of the ReWY backward for the scalar-gate operators: DeltaNet (no gate) and GDN (scalar gate).
+
+Declarative: `space(K, V)` maps every flat parameter name ("consumer", "consumer_cfg.block_k", ...) to its
+choices; `CONDITIONS` says which parameters only matter under another choice (the tuner samples them only
+then); `schedule_from_params` builds the Schedule. `constraint(schedule, problem_dims)` lists the reasons a
+combination cannot compile or run well enough to be worth a trial (shared memory, registers, tiles), and
+`default_schedule(compute_capability)` is the built-in schedule per device family.
+
+Members a stage does not read (see `rewy_tune/schedule.py`) are pinned to one value here, so no trial is
+spent on a decorative change: producer.block_k, cumsum.block_k/block_v/num_stages, and `intra` (read only by
+vector-gate operators).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from rewy_tune.schedule import STAGES, Schedule, StageConfig
+
+# Per-block shared-memory limit (bytes) by compute capability (CUDA occupancy tables; H100/H200 = 227 KiB).
+SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
+              (10, 0): 232448, (12, 0): 101376}
+DEFAULT_SMEM_LIMIT = 101376
+# Rough register bound: live fp32 accumulator values per thread above this spill (255 registers/thread, the
+# rest holds addresses, masks and operands).
+MAX_ACC_PER_THREAD = 192
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+TILES = [16, 32, 64, 128]
+WARPS = [2, 4, 8]
+STAGES_CHOICES = [1, 2, 3]
+SEGMENTS = [1, 2, 4, 8]
+
+# A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
+CONDITIONS: dict[str, tuple[str, str]] = {
+    "pd_dtype": ("consumer", "separate"),
+    "producer.block_v": ("consumer", "separate"),
+    "producer.num_warps": ("consumer", "separate"),
+    "producer.num_stages": ("consumer", "separate"),
+}
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _tiles_for(dim: int) -> list[int]:
+    """Tiles that divide dim (or cover it once) and are not larger than dim rounded up to a power of two."""
+    cap = max(16, _pow2_ceil(dim))
+    return [t for t in TILES + [256] if t <= cap and (dim % t == 0 or t == cap)]
+
+
+def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
+    """Flat parameter name -> choices, for head dims K, V."""
+    tk, tv = _tiles_for(K), _tiles_for(V)
+    scan_k = [max(16, _pow2_ceil(K))]  # the scans hold all K rows of the state tile
+    out: dict[str, list[Any]] = {
+        "chunk_size": [64],  # FLA's forward saves A at chunk 64
+        "consumer": ["joint", "separate"],
+        "pd_dtype": ["fp32", "input"],
+        "state_dtype": ["fp32", "input"],
+        "intra": ["auto"],
+        "forward_scan_segments": SEGMENTS,
+        "reverse_scan_segments": SEGMENTS,
+    }
+    stage_tiles = {
+        "recompute": (tk, tv), "forward_scan": (scan_k, [t for t in tv if t <= 128]), "dv_local": (tk, tv),
+        "reverse_scan": (scan_k, [t for t in tv if t <= 128]), "producer": ([64], tv), "consumer_cfg": (tk, tv),
+    }
+    for stage, (bk, bv) in stage_tiles.items():
+        out[f"{stage}.block_k"] = bk
+        out[f"{stage}.block_v"] = bv
+        out[f"{stage}.num_warps"] = WARPS
+        out[f"{stage}.num_stages"] = STAGES_CHOICES
+    out["cumsum.block_k"] = [64]
+    out["cumsum.block_v"] = [64]
+    out["cumsum.num_warps"] = [1, 2, 4]
+    out["cumsum.num_stages"] = [1]
+    return out
+
+
+def schedule_from_params(params: Mapping[str, Any], base: Schedule | None = None) -> Schedule:
+    """Build a Schedule from flat parameters (missing ones keep `base`'s values, default Schedule())."""
+    base = base or Schedule()
+    top: dict[str, Any] = {}
+    stages: dict[str, dict[str, Any]] = {}
+    for name, val in params.items():
+        if "." in name:
+            stage, member = name.split(".", 1)
+            if stage not in STAGES:
+                raise ValueError(f"unknown stage {stage!r} in parameter {name!r}")
+            stages.setdefault(stage, {})[member] = val
+        else:
+            top[name] = val
+    return base.replace(**top, **stages)
+
+
+def _dims(problem_dims: Any) -> tuple[int, int, int, int]:
+    """(K, V, dtype bytes, shared-memory limit) from a mapping or an object with K, V (dtype, compute_capability
+    or smem_limit optional)."""
+    get = (lambda n, d=None: problem_dims.get(n, d)) if isinstance(problem_dims, Mapping) else \
+        (lambda n, d=None: getattr(problem_dims, n, d))
+    K, V = int(get("K")), int(get("V"))
+    dtype = get("dtype", "bf16")
+    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(dtype).replace("torch.", ""),
+                                                                           str(dtype).replace("torch.", ""))
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"problem dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    smem = get("smem_limit")
+    if smem is None:
+        cc = get("compute_capability", (9, 0))
+        smem = SMEM_LIMIT.get(tuple(cc), DEFAULT_SMEM_LIMIT)
+    return K, V, DTYPE_BYTES[dtype], int(smem)
+
+
+def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[str, int]:
+    """Rough shared-memory bytes per stage: the tl.dot operands of the largest phase, times the pipeline depth
+    for tiles loaded inside a loop (Triton stages those), plus tiles that stay resident across the loop."""
+    C = schedule.chunk_size
+    s4 = 4 if schedule.state_dtype == "fp32" else e
+    pd = 4 if schedule.pd_dtype == "fp32" else e
+    est: dict[str, int] = {}
+    rc = schedule.recompute
+    est["recompute"] = C * C * e + (C * rc.block_k + C * rc.block_v) * e * rc.num_stages
+    for name, n_k in (("forward_scan", 2), ("reverse_scan", 3)):
+        cfg = getattr(schedule, name)
+        bk = max(cfg.block_k, K)
+        # per chunk: the [C, BK] dot operands (forward W, K_t; reverse q, k, W), the [C, BV] ones, and the
+        # state tile as a dot operand (input dtype)
+        est[name] = (n_k * C * bk + 2 * C * cfg.block_v) * e * cfg.num_stages + bk * cfg.block_v * e
+    dl = schedule.dv_local
+    est["dv_local"] = max(2 * C * dl.block_k * e * dl.num_stages, C * C * e + C * dl.block_v * e * dl.num_stages)
+    pr = schedule.producer
+    if schedule.consumer == "separate":
+        est["producer"] = C * C * e + (2 * C * pr.block_v * e) * pr.num_stages + C * pr.block_v * e
+    cc = schedule.consumer_cfg
+    joint = schedule.consumer == "joint"
+    v_loop = (4 * C * cc.block_v * e + 2 * cc.block_v * cc.block_k * s4) * cc.num_stages
+    if not joint:
+        v_loop += C * cc.block_v * pd * cc.num_stages
+    resident = (C * C * e if joint else 0)
+    k_phase = 2 * C * C * e + 4 * C * cc.block_k * e + C * cc.block_k * 4
+    est["consumer_cfg"] = resident + max(v_loop + C * cc.block_v * e, k_phase)
+    return est
+
+
+def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
+    """Live fp32 accumulator values per thread (rough)."""
+    C = schedule.chunk_size
+    out: dict[str, float] = {}
+    cc = schedule.consumer_cfg
+    live = 2 * C * C + 3 * C * cc.block_k + 2 * C * cc.block_v
+    out["consumer_cfg"] = live / (32 * cc.num_warps)
+    for name in ("forward_scan", "reverse_scan"):
+        cfg = getattr(schedule, name)
+        out[name] = (max(cfg.block_k, K) * cfg.block_v + C * cfg.block_v) / (32 * cfg.num_warps)
+    dl = schedule.dv_local
+    out["dv_local"] = (C * C + C * dl.block_v) / (32 * dl.num_warps)
+    pr = schedule.producer
+    out["producer"] = (C * C + C * pr.block_v) / (32 * pr.num_warps)
+    rc = schedule.recompute
+    out["recompute"] = (C * max(rc.block_k, rc.block_v)) / (32 * rc.num_warps)
+    return out
+
+
+def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
+    """Reasons this schedule cannot compile or run for the problem (empty list: worth a trial).
+
+    problem_dims: a mapping or object with K, V and optionally dtype ("bf16" | "fp16" | "fp32"),
+    compute_capability (tuple) or smem_limit (bytes; default 232448 = H100/H200)."""
+    K, V, e, smem_limit = _dims(problem_dims)
+    reasons: list[str] = []
+    if K > 256 or V > 256:
+        reasons.append(f"head dims K={K}, V={V} exceed 256 (Triton kernels' limit)")
+    for name in ("forward_scan", "reverse_scan"):
+        cfg: StageConfig = getattr(schedule, name)
+        if cfg.block_k < K:
+            reasons.append(f"{name}.block_k={cfg.block_k} < K={K}: the scans keep all K rows of the state")
+    for name in ("recompute", "dv_local", "consumer_cfg"):
+        cfg = getattr(schedule, name)
+        if K % cfg.block_k and cfg.block_k < K:
+            reasons.append(f"{name}.block_k={cfg.block_k} does not divide K={K}")
+    for name in ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg"):
+        cfg = getattr(schedule, name)
+        if V % cfg.block_v and cfg.block_v < V:
+            reasons.append(f"{name}.block_v={cfg.block_v} does not divide V={V}")
+        if cfg.block_v > max(16, _pow2_ceil(V)):
+            reasons.append(f"{name}.block_v={cfg.block_v} exceeds V={V} rounded up to a power of two")
+    for name in ("recompute", "dv_local", "consumer_cfg"):
+        cfg = getattr(schedule, name)
+        if cfg.block_k > max(16, _pow2_ceil(K)):
+            reasons.append(f"{name}.block_k={cfg.block_k} exceeds K={K} rounded up to a power of two")
+    if schedule.chunk_size != 64:
+        reasons.append(f"chunk_size={schedule.chunk_size}: FLA's forward saves A at chunk 64 (the only size the "
+                       "CUDA forward provides)")
+    for stage, need in shared_memory_estimate(schedule, K, V, e).items():
+        if need > smem_limit:
+            reasons.append(f"{stage}: shared memory estimate {need} B > device limit {smem_limit} B")
+    for stage, regs in register_estimate(schedule, K, V).items():
+        if regs > MAX_ACC_PER_THREAD:
+            reasons.append(f"{stage}: ~{regs:.0f} live fp32 accumulator values per thread > {MAX_ACC_PER_THREAD} "
+                           "(would spill)")
+    return reasons
+
+
+def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128) -> Schedule:
+    """Built-in schedule: tuned-by-hand starting point for Hopper (9, 0), a conservative generic one otherwise.
+
+    The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
+    `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
+    tuned schedule."""
+    kk = max(16, _pow2_ceil(K))
+    bk = min(64, kk)
+    bv = min(64, max(16, _pow2_ceil(V)))
+    if compute_capability is not None and tuple(compute_capability) == (9, 0):
+        return Schedule(
+            recompute=StageConfig(bk, bv, 4, 2),
+            forward_scan=StageConfig(kk, min(bv, 64 if kk <= 128 else 32), 4, 2 if kk <= 128 else 1),
+            dv_local=StageConfig(min(128, kk), min(128, max(16, _pow2_ceil(V))), 4, 2),
+            reverse_scan=StageConfig(kk, min(bv, 64 if kk <= 128 else 32), 4, 2 if kk <= 128 else 1),
+            producer=StageConfig(64, bv, 4, 2),
+            consumer_cfg=StageConfig(bk, bv, 8, 2),
+            cumsum=StageConfig(64, 64, 4, 1),
+            state_dtype="fp32", consumer="joint", pd_dtype="fp32", intra="auto",
+        )
+    return Schedule(
+        recompute=StageConfig(bk, min(32, bv), 4, 1),
+        forward_scan=StageConfig(kk, min(32, bv), 4, 1),
+        dv_local=StageConfig(bk, min(32, bv), 4, 1),
+        reverse_scan=StageConfig(kk, min(32, bv), 4, 1),
+        producer=StageConfig(64, min(32, bv), 4, 1),
+        consumer_cfg=StageConfig(min(32, bk), min(32, bv), 8, 1),
+        cumsum=StageConfig(64, 64, 4, 1),
+        state_dtype="fp32", consumer="joint", pd_dtype="fp32", intra="auto",
+    )
