@@ -1,0 +1,516 @@
+"""Local (per-chunk) stages of the ReWY backward for vector gates (KDA, GDN2): rewy-math §§5, 6.3, 6.4, 7, 8.
+
+Inputs: G [B,T,H,K] (chunk-local cumulative gate, natural log, fp32); erase e [B,T,H] (KDA β) or [B,T,H,K]
+(GDN2 b); write ω [B,T,H] (KDA β) or [B,T,H,V] (GDN2 w).
+
+- ``dv_local_vector``  dv_local = A_qkᵀ dO. A_qk is *recomputed* here from q, k, G with per-channel decay (same
+                       guarded dispatch as the consumer: centred products when the tile's gate range allows,
+                       16-row anchored blocks + pairwise diagonal blocks otherwise). Recomputing keeps the
+                       backward's inputs equal to the scalar-gate pipeline's (A, not A_qk); FLA's saved Aqk
+                       would save 2n²K FLOPs per chunk but needs a second forward buffer to be threaded through.
+- producer             P = AᵀR̄, D = −L_<(P Rᵀ): gate-independent, ``kernels/triton/local.py``'s producer serves
+                       vector gates unchanged (separate consumer mode).
+- ``consumer_vector``  centred matrix intra (§6.3/6.4) with the range guard (§7) → dq, dk, dv, d_erase, d_write,
+                       Ḡ per key channel (before the reverse in-chunk cumsum). Joint (producer fused) or separate.
+
+Range guard (§7), no host sync: every program (chunk × batch·head) walks K in block_k tiles; per tile it reduces
+Δ_tile = max_k (max_i G_ik − min_i G_ik) over the chunk's valid rows and branches at run time (scf.if) between
+the centred products (Δ_tile ≤ 128) and the sub-chunk products. The consumer writes the path it took per tile
+into an int32 flag tensor (1 centred, 2 sub-chunk) so tests can check dispatch.
+
+Precision (§8.1): every α/ζ-scaled operand and both coefficient adjoints H, D stay fp32, and all intra products
+use ``tl.dot(..., input_precision="ieee")`` on fp32 operands (no tf32/bf16 rounding of fp32 working matrices).
+The input-side products (dO Rᵀ, AᵀR̄, P S0ᵀ, dO S0ᵀ, R dS1ᵀ) read input-dtype storage with fp32 accumulation.
+
+Transposes: as in local.py (FLA issue 640, Triton 3.6 on Hopper), no ``tl.dot`` result is transposed in registers.
+Transposed operands are loaded transposed from memory; the column-side X_y is produced as a [BK, C] tile and
+turned into rows through an fp32 scratch buffer (transposed store, CTA barrier, row load).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rewy_tune.schedule import Schedule
+
+from .cumsum import chunk_cumsum, reverse_chunk_cumsum
+from .local import producer as run_producer
+from .recompute import dot_precision, mm, recompute_wu, validate_chunk_size, validate_launch, validate_tile
+from .scan import forward_state_scan, reverse_state_scan
+
+# Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
+CENTRED_MAX_RANGE = 128.0
+SUBCHUNK_ROWS = 16  # row block of the fallback (FLA chunk_kda_bwd_intra's BC)
+INTRA_CODES = {"auto": 0, "centred": 1, "subchunk": 2}
+PATH_CENTRED, PATH_SUBCHUNK = 1, 2
+
+
+@triton.jit
+def _tile_range(b_g, m_row, m_k):
+    """Per-channel mid-range c and the tile range Δ_tile over the chunk's valid rows / channels."""
+    b_max = tl.max(tl.where(m_row[:, None], b_g, float("-inf")), axis=0)
+    b_min = tl.min(tl.where(m_row[:, None], b_g, float("inf")), axis=0)
+    b_max = tl.where(m_k, b_max, 0.0)
+    b_min = tl.where(m_k, b_min, 0.0)
+    b_c = (b_max + b_min) * 0.5
+    delta = tl.max(b_max - b_min, axis=0)
+    return b_c, delta
+
+
+@triton.jit
+def _use_centred(delta, INTRA: tl.constexpr, MAX_RANGE: tl.constexpr):
+    # Δ ≥ 0 always: the forced modes stay run-time scalars of the same type as the auto decision.
+    if INTRA == 1:
+        ok = delta > -1.0
+    elif INTRA == 2:
+        ok = delta < -1.0
+    else:
+        ok = delta <= MAX_RANGE
+    return ok
+
+
+# --------------------------------------------------------------------------------------------------
+# dv_local = A_qkᵀ dO, A_qk recomputed with per-channel decay
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T"])
+def rewy_bwd_kernel_dv_local_vector(
+    q, k, G, do, dv,
+    T, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    o_i = tl.arange(0, BT)
+    rows = t0 + o_i
+    m_row = rows < T
+    n_rows = tl.minimum(T - t0, BT)
+    tok = (i_b * T + rows) * H + i_h
+    blk = (o_i // BC) * BC
+
+    # b_at[j, i] = Σ_f k_jf q_if Λ_ijf (row j, column i), accumulated over K tiles in fp32.
+    b_at = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in tl.static_range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_rk = m_row[:, None] & m_k[None, :]
+        m_kr = m_k[:, None] & m_row[None, :]
+        p_rk = tok[:, None] * K + o_k[None, :]
+        p_kr = tok[None, :] * K + o_k[:, None]
+        b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_gt = tl.load(G + p_kr, mask=m_kr, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_qt = tl.load(q + p_kr, mask=m_kr, other=0.0).to(tl.float32)
+        b_c, delta = _tile_range(b_g, m_row, m_k)
+        if _use_centred(delta, INTRA, MAX_RANGE):
+            b_y = b_k * tl.exp(tl.where(m_rk, b_c[None, :] - b_g, 0.0))
+            b_qa = b_qt * tl.exp(tl.where(m_kr, b_gt - b_c[:, None], 0.0))
+            b_at += tl.dot(b_y, b_qa, input_precision="ieee")
+        else:
+            # Off-diagonal blocks: column block I of i (the q side), anchored at its first row a.
+            for ib in tl.static_range(1, BT // BC):
+                a = ib * BC
+                b_ga = tl.sum(tl.where((o_i == a)[:, None], b_g, 0.0), axis=0)
+                m_y = ((o_i < a) & m_row & (a < n_rows))[:, None] & m_k[None, :]
+                b_y = b_k * tl.exp(tl.where(m_y, b_ga[None, :] - b_g, float("-inf")))
+                m_q = m_k[:, None] & ((o_i >= a) & (o_i < a + BC) & m_row)[None, :]
+                b_qa = b_qt * tl.exp(tl.where(m_q, b_gt - b_ga[:, None], float("-inf")))
+                b_at += tl.dot(b_y, b_qa, input_precision="ieee")
+            # Diagonal blocks, exact pairwise Λ: row j meets column i(j) = block start + d.
+            for d in tl.static_range(0, BC):
+                o_c = blk + d
+                m_c = (o_c >= o_i) & (o_c < n_rows)
+                p_c = ((i_b * T + t0 + o_c) * H + i_h)[:, None] * K + o_k[None, :]
+                m_ck = m_c[:, None] & m_k[None, :]
+                b_qc = tl.load(q + p_c, mask=m_ck, other=0.0).to(tl.float32)
+                b_gc = tl.load(G + p_c, mask=m_ck, other=0.0).to(tl.float32)
+                b_val = tl.sum(b_k * b_qc * tl.exp(tl.where(m_ck, b_gc - b_g, float("-inf"))), axis=1)
+                b_at += tl.where(o_i[None, :] == o_c[:, None], b_val[:, None], 0.0)
+    m_at = (o_i[:, None] <= o_i[None, :]) & m_row[:, None] & m_row[None, :]
+    b_at = tl.where(m_at, b_at * scale, 0.0)
+    for i_v in tl.static_range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_row[:, None] & (o_v < V)[None, :]
+        p_v = tok[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_dv = tl.dot(b_at, b_do, input_precision="ieee")
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+
+
+def dv_local_vector(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
+                    num_warps: int = 4, num_stages: int = 2, intra: str = "auto") -> torch.Tensor:
+    """dv_local = A_qkᵀ dO per chunk for a vector gate G [B,T,H,K] (fp32 natural log); [B,T,H,V] in do's dtype."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    _check_vector_gate(G, (B, T, H, K))
+    _check_tiles(chunk_size, BK, BV, num_warps, num_stages)
+    dv = torch.empty_like(do)
+    NT = triton.cdiv(T, chunk_size)
+    rewy_bwd_kernel_dv_local_vector[(NT, B * H)](
+        q, k, G, do, dv, T, float(scale),
+        H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
+        INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dv
+
+
+# --------------------------------------------------------------------------------------------------
+# Consumer (joint or separate), centred matrix intra with the sub-chunk fallback
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T", "NT"])
+def rewy_bwd_kernel_consumer_vector(
+    q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
+    dq, dk, dv, xcol, gbar, derase, dwrite, paths,
+    T, NT, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+    ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
+    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    o_i = tl.arange(0, BT)
+    rows = t0 + o_i
+    m_row = rows < T
+    tok = (i_b * T + rows) * H + i_h
+    n_rows = tl.minimum(T - t0, BT)
+    is_last = o_i == n_rows - 1  # last valid row (tail chunk: fewer rows)
+    s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
+    DT = k.dtype.element_ty
+    m_cc = m_row[:, None] & m_row[None, :]
+    m_lt = (o_i[:, None] > o_i[None, :]) & m_cc
+    blk = (o_i // BC) * BC
+    NK: tl.constexpr = (K + BK - 1) // BK
+
+    if not ERASE_VEC:
+        b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
+    if not WRITE_VEC:
+        b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
+    if JOINT:
+        b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0)
+
+    b_D = tl.zeros([BT, BT], dtype=tl.float32)
+    b_H = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hd = tl.zeros([BT], dtype=tl.float32)  # diag of H: ⟨dO_i, R_i⟩ (self-term split)
+    b_dwr = tl.zeros([BT], dtype=tl.float32)  # KDA write path of β: ⟨V_i, P_i⟩
+    b_der = tl.zeros([BT], dtype=tl.float32)  # KDA erase path of β
+
+    for i_k in tl.static_range(0, NK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_rk = m_row[:, None] & m_k[None, :]
+        m_kr = m_k[:, None] & m_row[None, :]
+        p_rk = tok[:, None] * K + o_k[None, :]
+        p_kr = tok[None, :] * K + o_k[:, None]
+        b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
+        b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
+        b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
+        b_frob = tl.zeros([BK], dtype=tl.float32)  # rowsum_V(S0 ⊙ dS1) per key channel
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_rv = m_row[:, None] & m_v[None, :]
+            p_v = tok[:, None] * V + o_v[None, :]
+            b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
+            b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
+            if JOINT:
+                # P tile recomputed per K tile when K > BK: 2n²·BV FLOPs instead of a P round trip.
+                b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
+                b_p = mm(b_at.to(DT), b_rb.to(DT), PREC)
+            else:
+                b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
+            p_s = s_off + o_k[None, :] * V + o_v[:, None]
+            m_s = m_v[:, None] & m_k[None, :]
+            b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
+            b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
+            if i_k == 0:
+                b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_row[None, :], other=0.0)
+                if JOINT:
+                    b_D += mm(b_p.to(DT), b_rt.to(DT), PREC)
+                b_H += mm(b_do.to(DT), b_rt.to(DT), PREC)
+                b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
+                b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
+                if WRITE_VEC:
+                    b_wv = tl.load(write + p_v, mask=m_rv, other=0.0).to(tl.float32)
+                    tl.store(dv + p_v, (b_wv * b_p).to(dv.dtype.element_ty), mask=m_rv)
+                    tl.store(dwrite + p_v, (b_vv * b_p).to(dwrite.dtype.element_ty), mask=m_rv)
+                else:
+                    b_dwr += tl.sum(b_vv * b_p, axis=1)
+                    tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
+            b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=0)
+            b_pe += mm(b_p.to(DT), b_s0t.to(DT), PREC)
+            b_qg += mm(b_do.to(DT), b_s0t.to(DT), PREC)
+            b_kt += mm(b_r.to(DT), b_ds1t.to(DT), PREC)
+
+        if i_k == 0:
+            if JOINT:
+                b_D = tl.where(m_lt, -b_D, 0.0)
+            else:
+                b_D = tl.load(D + tok[:, None] * BT + o_i[None, :], mask=m_lt, other=0.0).to(tl.float32)
+            b_H = tl.where(m_lt, b_H, 0.0)  # H_<: the diagonal enters elementwise (self-term split)
+
+        # ---- elementwise factors of this feature tile (row layout [BT, BK] and transposed [BK, BT])
+        b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_gt = tl.load(G + p_kr, mask=m_kr, other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_qt = tl.load(q + p_kr, mask=m_kr, other=0.0).to(tl.float32)
+        b_ktr = tl.load(k + p_kr, mask=m_kr, other=0.0).to(tl.float32)
+        if ERASE_VEC:
+            b_ev = tl.load(erase + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+            b_ekt = b_ktr * tl.load(erase + p_kr, mask=m_kr, other=0.0).to(tl.float32)
+        else:
+            b_ev = b_e[:, None] + tl.zeros([BT, BK], dtype=tl.float32)
+            b_ekt = b_ktr * b_e[None, :]
+        b_sqt = scale * b_qt
+        b_gn = tl.sum(tl.where(is_last[:, None], b_g, 0.0), axis=0)
+        b_gamma = tl.where(m_rk, tl.exp(b_g), 0.0)
+        b_tau = tl.where(m_rk, tl.exp(b_gn[None, :] - b_g), 0.0)
+
+        # ---- intra contractions: X_q, X_e rows [BT, BK]; X_y transposed [BK, BT]
+        b_c, delta = _tile_range(b_g, m_row, m_k)
+        if _use_centred(delta, INTRA, MAX_RANGE):
+            tl.store(paths + (i_bh * NT + i_t) * NK + i_k, 1)
+            b_a = tl.exp(tl.where(m_rk, b_g - b_c[None, :], 0.0))
+            b_y = b_k * tl.exp(tl.where(m_rk, b_c[None, :] - b_g, 0.0))
+            b_ct = b_gt - b_c[:, None]
+            b_at_ = tl.exp(tl.where(m_kr, b_ct, 0.0))
+            b_zt = tl.exp(tl.where(m_kr, -b_ct, 0.0))
+            b_xq = b_a * tl.dot(b_H, b_y, input_precision="ieee")
+            b_xe = b_a * tl.dot(b_D, b_y, input_precision="ieee")
+            b_uyt = tl.dot(b_sqt * b_at_, b_H, input_precision="ieee")
+            b_uyt = tl.dot(b_ekt * b_at_, b_D, b_uyt, input_precision="ieee")
+            b_xyt = b_zt * b_uyt
+        else:
+            tl.store(paths + (i_bh * NT + i_t) * NK + i_k, 2)
+            b_xq = tl.zeros([BT, BK], dtype=tl.float32)
+            b_xe = tl.zeros([BT, BK], dtype=tl.float32)
+            b_xyt = tl.zeros([BK, BT], dtype=tl.float32)
+            for ib in tl.static_range(0, BT // BC):
+                a = ib * BC
+                z = a + BC - 1
+                if ib > 0:
+                    # Row side: block I = [a, a+BC) against the columns before it, anchored at row a.
+                    b_ga = tl.sum(tl.where((o_i == a)[:, None], b_g, 0.0), axis=0)
+                    m_y = ((o_i < a) & m_row & (a < n_rows))[:, None] & m_k[None, :]
+                    b_y = b_k * tl.exp(tl.where(m_y, b_ga[None, :] - b_g, float("-inf")))
+                    m_a = ((o_i >= a) & (o_i <= z) & m_row)[:, None] & m_k[None, :]
+                    b_a = tl.exp(tl.where(m_a, b_g - b_ga[None, :], float("-inf")))
+                    b_xq += b_a * tl.dot(b_H, b_y, input_precision="ieee")
+                    b_xe += b_a * tl.dot(b_D, b_y, input_precision="ieee")
+                if ib < BT // BC - 1:
+                    # Column side: block I against the rows after it, anchored at row z.
+                    b_gz = tl.sum(tl.where((o_i == z)[None, :], b_gt, 0.0), axis=1)
+                    has_after = z + 1 < n_rows
+                    m_af = m_k[:, None] & ((o_i > z) & m_row & has_after)[None, :]
+                    b_af = tl.exp(tl.where(m_af, b_gt - b_gz[:, None], float("-inf")))
+                    m_z = m_k[:, None] & ((o_i >= a) & (o_i <= z) & m_row & has_after)[None, :]
+                    b_zt = tl.exp(tl.where(m_z, b_gz[:, None] - b_gt, float("-inf")))
+                    b_uyt = tl.dot(b_sqt * b_af, b_H, input_precision="ieee")
+                    b_uyt = tl.dot(b_ekt * b_af, b_D, b_uyt, input_precision="ieee")
+                    b_xyt += b_zt * b_uyt
+            # Diagonal blocks, exact pairwise Λ.
+            for d in tl.static_range(0, BC):
+                # Row side: row i meets column j(i) = block start + d, j < i.
+                o_j = blk + d
+                m_j = (o_j < o_i) & m_row
+                m_jk = m_j[:, None] & m_k[None, :]
+                p_j = ((i_b * T + t0 + o_j) * H + i_h)[:, None] * K + o_k[None, :]
+                b_kj = tl.load(k + p_j, mask=m_jk, other=0.0).to(tl.float32)
+                b_gj = tl.load(G + p_j, mask=m_jk, other=0.0).to(tl.float32)
+                b_lam = tl.exp(tl.where(m_jk, b_g - b_gj, float("-inf")))
+                sel = o_i[None, :] == o_j[:, None]
+                b_hj = tl.sum(tl.where(sel, b_H, 0.0), axis=1)
+                b_dj = tl.sum(tl.where(sel, b_D, 0.0), axis=1)
+                b_xq += b_hj[:, None] * b_kj * b_lam
+                b_xe += b_dj[:, None] * b_kj * b_lam
+                # Column side (transposed): column j meets row i(j) = block start + d, i > j.
+                m_i = (o_j > o_i) & (o_j < n_rows)
+                m_ki = m_k[:, None] & m_i[None, :]
+                p_it = ((i_b * T + t0 + o_j) * H + i_h)[None, :] * K + o_k[:, None]
+                b_qi = tl.load(q + p_it, mask=m_ki, other=0.0).to(tl.float32)
+                b_ki = tl.load(k + p_it, mask=m_ki, other=0.0).to(tl.float32)
+                b_gi = tl.load(G + p_it, mask=m_ki, other=0.0).to(tl.float32)
+                if ERASE_VEC:
+                    b_eki = b_ki * tl.load(erase + p_it, mask=m_ki, other=0.0).to(tl.float32)
+                else:
+                    b_eki = b_ki * tl.load(erase + (i_b * T + t0 + o_j) * H + i_h, mask=m_i,
+                                           other=0.0).to(tl.float32)[None, :]
+                b_lamt = tl.exp(tl.where(m_ki, b_gi - b_gt, float("-inf")))
+                selt = o_i[:, None] == o_j[None, :]
+                b_hi = tl.sum(tl.where(selt, b_H, 0.0), axis=0)
+                b_di = tl.sum(tl.where(selt, b_D, 0.0), axis=0)
+                b_xyt += b_lamt * (b_hi[None, :] * scale * b_qi + b_di[None, :] * b_eki)
+
+        # X_y rows through memory (no register transpose of dot results, FLA issue 640).
+        tl.store(xcol + p_kr, b_xyt, mask=m_kr)
+        tl.debug_barrier()
+        b_xy = tl.load(xcol + p_rk, mask=m_rk, other=0.0)
+
+        b_edir = -b_pe
+        b_hs = (scale * b_hd)[:, None]
+        b_dq = scale * b_gamma * b_qg + scale * b_xq + b_hs * b_k
+        b_ge = b_gamma * b_edir + b_xe
+        b_dk = b_ev * b_ge + b_xy + b_tau * b_kt + b_hs * b_q
+        tl.store(dq + p_rk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
+        tl.store(dk + p_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
+        if ERASE_VEC:
+            tl.store(derase + p_rk, (b_k * b_ge).to(derase.dtype.element_ty), mask=m_rk)
+        else:
+            b_der += tl.sum(b_k * b_ge, axis=1)
+        # Ḡ per channel; the last row's tail term (τ_n = 1) cancels against its copy in Ḡ_n: both dropped (§8.2).
+        b_tail = tl.where(is_last[:, None], 0.0, b_tau * b_k * b_kt)
+        b_gb = (scale * b_gamma * b_q * b_qg + scale * b_q * b_xq + b_ev * b_k * b_ge
+                - b_k * b_xy - b_tail)
+        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * b_frob
+        b_gb += tl.where(is_last[:, None], b_end[None, :], 0.0)
+        tl.store(gbar + p_rk, b_gb, mask=m_rk)
+
+    if not ERASE_VEC:
+        tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
+    if not WRITE_VEC:
+        tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+
+
+def _check_vector_gate(G, shape) -> None:
+    if G is None or tuple(G.shape) != tuple(shape):
+        raise ValueError(f"G must be a vector gate of shape {tuple(shape)} for KDA/GDN2 kernels, "
+                         f"got {None if G is None else tuple(G.shape)}")
+
+
+def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
+    validate_chunk_size(chunk_size)
+    validate_tile("BK", BK, hi=256)
+    validate_tile("BV", BV, hi=256)
+    validate_launch(num_warps, num_stages)
+
+
+def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
+                    chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
+                    intra: str = "auto"):
+    """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise.
+
+    Returns (dq, dk, dv, Gbar, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
+    the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); Gbar fp32
+    [B,T,H,K] (adjoint of the cumulative gate); paths int32 [B·H, NT, cdiv(K, BK)]: 1 centred, 2 sub-chunk.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, chunk_size)
+    _check_vector_gate(G, (B, T, H, K))
+    _check_tiles(chunk_size, BK, BV, num_warps, num_stages)
+    if intra not in INTRA_CODES:
+        raise ValueError(f"intra must be one of {tuple(INTRA_CODES)}, got {intra!r}")
+    if tuple(erase.shape) not in ((B, T, H), (B, T, H, K)):
+        raise ValueError(f"erase must be [B,T,H] or [B,T,H,K], got {tuple(erase.shape)}")
+    if tuple(write.shape) not in ((B, T, H), (B, T, H, V)):
+        raise ValueError(f"write must be [B,T,H] or [B,T,H,V], got {tuple(write.shape)}")
+    for name, t in (("S0", S0), ("dS1", dS1)):
+        if tuple(t.shape) != (B, NT, H, K, V):
+            raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
+    joint = P is None
+    if joint != (D is None):
+        raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    xcol = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    gbar = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    derase = torch.empty_like(erase)
+    dwrite = torch.empty_like(write)
+    NK = triton.cdiv(K, BK)
+    paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
+    rewy_bwd_kernel_consumer_vector[(NT, B * H)](
+        q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
+        dq, dk, dv, xcol, gbar, derase, dwrite, paths,
+        T, NT, float(scale),
+        H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
+        ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
+        INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dq, dk, dv, gbar, derase, dwrite, paths
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole vector-gate backward
+# --------------------------------------------------------------------------------------------------
+def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
+                                S0=None, R=None, G=None, intra_paths: dict | None = None):
+    """ReWY backward of KDA (erase = write = β [B,T,H]) / GDN2 (erase b [B,T,H,K], write w [B,T,H,V]) on Triton.
+
+    Same contract as ``pipeline.rewy_backward_triton``: q, k [B,T,H,K]; v, do [B,T,H,V] (fp16/bf16/fp32);
+    g [B,T,H,K] natural-log gate; A = M^{-1} [B,T,H,chunk_size]; dht, initial_state None or [B,H,K,V];
+    S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A; G the chunk cumsum of g (None: computed here).
+    ``intra_paths``: optional dict; receives ``"flags"``, the consumer's int32 per-tile path flags (1 centred,
+    2 sub-chunk), with no host synchronisation.
+
+    Returns (dq, dk, dv, dg, d_erase, d_write, dh0): dq, dk, dv in q's dtype; dg in g's dtype; d_erase, d_write
+    in erase's / write's shapes and dtypes (KDA: dβ = d_erase + d_write); dh0 fp32 or None.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a rewy_tune.schedule.Schedule, got {type(schedule).__name__}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if g is None or tuple(g.shape) != (B, T, H, K):
+        raise ValueError(f"g must be a vector gate [B,T,H,K]={(B, T, H, K)}, got "
+                         f"{None if g is None else tuple(g.shape)}")
+    if (S0 is None) != (R is None):
+        raise ValueError("policy A passes both S0 and R; policy R passes neither")
+    schedule.validate_for(K, V)
+    q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
+    erase, write = erase.contiguous(), write.contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    initial_state = initial_state.contiguous() if initial_state is not None else None
+    sc = schedule
+    C = sc.chunk_size
+    state_dtype = torch.float32 if sc.state_dtype == "fp32" else q.dtype
+
+    if G is None:
+        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
+    else:
+        G = G.to(torch.float32).contiguous()
+
+    rc = sc.recompute
+    W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
+                        num_warps=rc.num_warps, num_stages=rc.num_stages)
+    if S0 is None:
+        fs = sc.forward_scan
+        S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
+                                   num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
+                                   num_segments=sc.forward_scan_segments)
+    else:
+        S0, R = S0.contiguous(), R.contiguous()
+    del U
+
+    dl = sc.dv_local
+    dvl = dv_local_vector(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
+                          num_warps=dl.num_warps, num_stages=dl.num_stages, intra=sc.intra)
+    rs = sc.reverse_scan
+    dS1, Rbar, dh0 = reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k,
+                                        BV=rs.block_v, num_warps=rs.num_warps, num_stages=rs.num_stages,
+                                        state_dtype=state_dtype, want_dh0=initial_state is not None,
+                                        num_segments=sc.reverse_scan_segments)
+    del dvl, W
+
+    P = D = None
+    if sc.consumer == "separate":
+        pr = sc.producer
+        P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
+                            num_stages=pr.num_stages,
+                            pd_dtype=torch.float32 if sc.pd_dtype == "fp32" else q.dtype)
+    cc = sc.consumer_cfg
+    dq, dk, dv, gbar, d_erase, d_write, flags = consumer_vector(
+        q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
+        BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, intra=sc.intra)
+    if intra_paths is not None:
+        intra_paths["flags"] = flags
+
+    dg = reverse_chunk_cumsum(gbar, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
+    return dq, dk, dv, dg.to(g.dtype), d_erase, d_write, dh0
