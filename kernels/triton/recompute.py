@@ -106,7 +106,7 @@ def rewy_recompute_wu_kernel(
     if GATE == 1:
         b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
 
-    for i_k in tl.static_range(0, tl.cdiv(K, BK)):
+    for i_k in tl.static_range(0, (K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_row[:, None] & (o_k < K)[None, :]
         p_k = tok[:, None] * K + o_k[None, :]
@@ -125,7 +125,7 @@ def rewy_recompute_wu_kernel(
 
     if HAS_WRITE and not WRITE_VEC:
         b_om = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
-    for i_v in tl.static_range(0, tl.cdiv(V, BV)):
+    for i_v in tl.static_range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
