@@ -1,0 +1,127 @@
+"""autograd.Function joining a chunk forward with the ReWY Triton backward, for DeltaNet and GDN.
+
+Forward:
+- CUDA: fla-core 0.6.0's Triton forward pieces. Policy R keeps what FLA itself keeps (A = M^{-1} in the
+  input dtype); policy A also keeps the per-chunk entering states h (= S0, [B,NT,H,K,V], input dtype) and
+  v_new (= R, the corrections u − w h before gating), which FLA computes in its forward anyway but, for
+  DeltaNet/GDN, drops (FLA has no save-all switch for these two operators).
+    DeltaNet: `prepare_wy_repr_fwd(k, v, beta)` -> (w, u, A); `chunk_gated_delta_rule_fwd_h(k, w, u, g=None,
+              initial_state)` -> (h, v_new, final_state); `chunk_fwd_o(q, k, v_new, h, g=None, scale)` -> o.
+    GDN:      `chunk_local_cumsum(g, scale=RCP_LN2)` -> G·log2(e) (fp32); `chunk_gated_delta_rule_fwd_intra(k, v,
+              g=G·log2e, beta)` -> (w, u, A); then fwd_h and chunk_fwd_o with the log2 gate as above.
+  The natural-log G the backward needs is recomputed by the backward's own chunk cumsum (one small kernel,
+  no ln 2 round trip).
+- CPU (TRITON_INTERPRET=1 tests): the pure-torch reference `chunk_forward` (FLA's state scans do not run
+  in Triton 3.6's interpreter, fla-baseline §13).
+
+Backward: `rewy_backward_triton` with the given Schedule (default: `search_spaces.default_schedule` for the
+device's compute capability).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
+from rewy_tune.schedule import Schedule
+
+SUPPORTED_OPS = ("deltanet", "gdn")
+
+
+def default_schedule_for(q: torch.Tensor, K: int, V: int) -> Schedule:
+    from rewy_tune.search_spaces import default_schedule
+
+    cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    return default_schedule(cc, K=K, V=V)
+
+
+def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, output_final_state):
+    """(o, final_state, A, S0, R) through fla-core's forward kernels; S0/R None under policy R."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    if g is None:
+        from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
+
+        g_log2 = None
+        w, u, A = prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=chunk_size)
+    else:
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        g_log2 = chunk_local_cumsum(g, chunk_size=chunk_size, scale=RCP_LN2)
+        w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_log2, beta=beta, chunk_size=chunk_size)
+    h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
+        k=k, w=w, u=u, g=g_log2, initial_state=initial_state, output_final_state=output_final_state,
+        chunk_size=chunk_size)
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_log2, scale=scale, chunk_size=chunk_size)
+    if policy == "A":
+        return o, final_state, A, h, v_new
+    return o, final_state, A, None, None
+
+
+class RewyTritonFunction(torch.autograd.Function):
+    """``RewyTritonFunction.apply(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy,
+    output_final_state, schedule) -> (o, final_state)``
+
+    Same argument order as ``RewyTorchFunction`` plus ``schedule`` (a Schedule or None for the device
+    default). DeltaNet: g None; GDN: g [B,T,H] natural-log per-token gate. erase and write are [B,T,H]; on CUDA
+    they must be the same β tensor (FLA's forward has one β); autograd then sums d_erase + d_write into dβ.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state,
+                schedule=None):
+        if policy not in ("R", "A"):
+            raise ValueError(f"policy must be 'R' or 'A', got {policy!r}")
+        if g is not None and g.dim() != 3:
+            raise ValueError(f"g must be None (DeltaNet) or [B,T,H] (GDN) for the Triton backward, got "
+                             f"{tuple(g.shape)}")
+        K, V = q.shape[-1], v.shape[-1]
+        schedule = schedule if schedule is not None else default_schedule_for(q, K, V)
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
+        if schedule.chunk_size != chunk_size:
+            raise ValueError(f"schedule.chunk_size={schedule.chunk_size} differs from chunk_size={chunk_size}")
+        scale = K ** -0.5 if scale is None else float(scale)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        erase, write = erase.contiguous(), write.contiguous()
+        g = g.contiguous() if g is not None else None
+        if q.is_cuda:
+            if erase.data_ptr() != write.data_ptr() or erase.shape != write.shape:
+                raise ValueError("on CUDA, DeltaNet/GDN take one β: pass the same tensor as erase and write")
+            h0 = initial_state.float().contiguous() if initial_state is not None else None
+            o, final_state, A, S0, R = _fla_forward(q, k, v, g, erase, h0, scale, chunk_size, policy,
+                                                    output_final_state)
+        else:
+            from rewy_tune.kernels.reference.chunk_forward import chunk_forward
+
+            fwd = chunk_forward(q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
+                                chunk_size=chunk_size, save_states=policy == "A")
+            o, final_state, A, S0, R = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R
+        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R)
+        ctx.scale, ctx.schedule = scale, schedule
+        ctx.set_materialize_grads(False)
+        return o, (final_state if output_final_state else None)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, erase, write, initial_state, A, S0, R = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else do.to(v.dtype)
+        h0 = initial_state.float() if initial_state is not None else None
+        dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
+            q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
+            S0=S0, R=R)
+        if dh0 is not None and initial_state is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg, d_erase, d_write, dh0, None, None, None, None, None
+
+
+def run_triton_op(op, q, k, v, g, erase, write, *, initial_state, scale, policy, output_final_state,
+                  schedule=None):
+    """Entry used by `rewy_tune.ops` for backend="triton"."""
+    if op not in SUPPORTED_OPS:
+        raise ValueError(f"op: the Triton backward exists for {SUPPORTED_OPS}, got {op!r}")
+    return RewyTritonFunction.apply(q, k, v, g, erase, write, initial_state, scale, 64, policy,
+                                    output_final_state, schedule)
