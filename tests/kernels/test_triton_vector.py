@@ -1,0 +1,337 @@
+"""ReWY Triton backward for KDA and GDN2 (`kernels/triton/vector_local.py`) against the float64 torch oracle
+(`kernels/reference`: chunk_forward + rewy_backward). CPU runs go through the Triton interpreter at small
+shapes; the `gpu` tests repeat the checks at the benchmark shapes (K = V = 128, bf16), K = V = 64 / 256, and
+check run-twice bitwise equality.
+
+Thresholds are the project's gates: relative RMS ≤ 0.8 % for ordinary tensors, ≤ 2 % for dg and the erase /
+write gradients (dβ / db / dw). Never loosen them. Every launcher allocation is NaN-poisoned.
+"""
+
+import os
+
+if not os.environ.get("REWY_TEST_NO_INTERPRET"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewy_tune.gates import poison_allocations
+from rewy_tune.kernels.reference.chunk_forward import chunk_forward
+from rewy_tune.kernels.reference.rewy_backward import rewy_backward
+from rewy_tune.kernels.triton.vector_local import (
+    PATH_CENTRED,
+    PATH_SUBCHUNK,
+    dv_local_vector,
+    rewy_backward_triton_vector,
+)
+from rewy_tune.schedule import Schedule, StageConfig
+
+ORDINARY, GATE = 0.008, 0.02
+GATE_LIKE = ("dg", "d_erase", "d_write")
+NAMES = ("dq", "dk", "dv", "dg", "d_erase", "d_write", "dh0")
+
+# Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
+BASE = Schedule(
+    recompute=StageConfig(32, 32, 4, 2), forward_scan=StageConfig(32, 32, 4, 2),
+    dv_local=StageConfig(32, 32, 4, 2), reverse_scan=StageConfig(32, 32, 4, 2),
+    producer=StageConfig(32, 32, 4, 2), consumer_cfg=StageConfig(32, 32, 4, 2), cumsum=StageConfig(32, 32, 4, 1),
+)
+SEPARATE = {
+    "separate-fp32-bk16": BASE.replace(consumer="separate", pd_dtype="fp32",
+                                       consumer_cfg={"block_k": 16, "block_v": 16}),
+    "separate-input-bv16": BASE.replace(consumer="separate", pd_dtype="input", producer={"block_v": 16},
+                                        dv_local={"block_k": 16, "block_v": 16}),
+}
+
+
+@pytest.fixture(autouse=True)
+def nan_poison():
+    with poison_allocations():
+        yield
+
+
+def make_inputs(op, B, T, H, K, V, *, dtype=torch.float32, device="cpu", seed=0, h0=True, dht=True,
+                coef="uniform", decay="normal", gate_div=4.0):
+    """KDA: erase = write = β [B,T,H]; GDN2: b [B,T,H,K], w [B,T,H,V]. decay "strong": g ∈ [−8, −2] (chunk ranges
+    far past the centring guard); "mixed": strong on the first half of the key channels only."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    u = lambda *s: torch.rand(*s, generator=gen)
+    q = r(B, T, H, K)
+    k = F.normalize(r(B, T, H, K), dim=-1)
+    v = r(B, T, H, V)
+    g = F.logsigmoid(r(B, T, H, K)) / gate_div
+    if decay in ("strong", "mixed"):
+        strong = -2.0 - 6.0 * u(B, T, H, K)
+        if decay == "mixed":
+            strong[..., K // 2:] = g[..., K // 2:]
+        g = strong
+    if op == "kda":
+        e = u(B, T, H)
+        w = None
+    else:
+        e, w = u(B, T, H, K), u(B, T, H, V)
+
+    def special(x):
+        if coef == "zero":
+            return torch.zeros_like(x)
+        if coef == "tiny":  # exact zeros, 1e-12 and O(1) mixed
+            pick = u(*x.shape)
+            return torch.where(pick < 0.33, torch.zeros_like(x), torch.where(pick < 0.66, torch.full_like(x, 1e-12), x))
+        return x
+
+    e = special(e)
+    w = e if op == "kda" else special(w)
+    do = r(B, T, H, V)
+    hs = r(B, H, K, V) if h0 else None
+    dh = r(B, H, K, V) if dht else None
+    cast = lambda x, dt=dtype: None if x is None else x.to(device=device, dtype=dt)
+    return dict(q=cast(q), k=cast(k), v=cast(v), g=cast(g, torch.float32), erase=cast(e), write=cast(w),
+                do=cast(do), h0=cast(hs, torch.float32), dht=cast(dh, torch.float32))
+
+
+def oracle(x, C=64, device="cpu"):
+    """float64 forward + ReWY backward of the torch reference (erase and write paths apart)."""
+    d = {n: (t.to(device=device, dtype=torch.float64) if t is not None else None) for n, t in x.items()}
+    scale = d["q"].shape[-1] ** -0.5
+    fwd = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], scale=scale,
+                        initial_state=d["h0"], chunk_size=C)
+    gr = rewy_backward(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], fwd, d["do"], d["dht"],
+                       scale=scale, initial_state=d["h0"], chunk_size=C, policy="R")
+    return dict(dq=gr.dq, dk=gr.dk, dv=gr.dv, dg=gr.dg, d_erase=gr.d_erase, d_write=gr.d_write, dh0=gr.dh0)
+
+
+def run_triton(x, schedule, policy="R", paths=None):
+    """Forward through the torch reference in fp32 (as the CPU autograd Function does), then the Triton backward."""
+    scale = x["q"].shape[-1] ** -0.5
+    f = {n: (t.float() if t is not None else None) for n, t in x.items()}
+    fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
+                        chunk_size=schedule.chunk_size, save_states=policy == "A")
+    kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
+    out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"],
+                                      x["dht"], scale=scale, initial_state=x["h0"], schedule=schedule,
+                                      intra_paths=paths, **kw)
+    return dict(zip(NAMES, out))
+
+
+def rel_rms(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    den = b.pow(2).mean().sqrt().item()
+    num = (a - b).pow(2).mean().sqrt().item()
+    return num / den if den > 0 else num
+
+
+def assert_gates(out, ref, *, ctx=""):
+    errs = {}
+    for n in NAMES:
+        if ref[n] is None:
+            assert out[n] is None, f"{ctx}: {n} should be None"
+            continue
+        assert out[n] is not None, f"{ctx}: {n} missing"
+        assert out[n].shape == ref[n].shape, f"{ctx}: {n} shape {tuple(out[n].shape)} vs {tuple(ref[n].shape)}"
+        assert torch.isfinite(out[n]).all(), f"{ctx}: {n} has non-finite values (unwritten tile?)"
+        errs[n] = rel_rms(out[n], ref[n])
+        tol = GATE if n in GATE_LIKE else ORDINARY
+        assert errs[n] <= tol, f"{ctx}: {n} rel RMS {errs[n]:.2e} > {tol} (all: {errs})"
+    return errs
+
+
+def path_set(paths):
+    return set(paths["flags"].flatten().tolist())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# correctness against the oracle (CPU interpreter)
+
+
+@pytest.mark.parametrize("T", [64, 100])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_joint_centred(op, T):
+    policy = "A" if T == 100 else "R"
+    x = make_inputs(op, 1, T, 2, 32, 32, seed=T)
+    paths = {}
+    out = run_triton(x, BASE, policy, paths)
+    assert path_set(paths) == {PATH_CENTRED}, "normal gates must take the centred path"
+    for n in ("dq", "dk", "dv"):
+        assert out[n].dtype == torch.float32
+    assert out["d_erase"].shape == x["erase"].shape and out["d_write"].shape == x["write"].shape
+    assert_gates(out, oracle(x), ctx=f"{op} T{T} {policy}")
+
+
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("name", list(SEPARATE))
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_separate_consumer(op, name, policy):
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=7)  # tail chunk of 36 rows
+    assert_gates(run_triton(x, SEPARATE[name], policy), oracle(x), ctx=f"{op} {name} {policy}")
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_no_initial_state_no_dht(op):
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=3, h0=False, dht=False)
+    out = run_triton(x, BASE)
+    assert out["dh0"] is None
+    assert_gates(out, oracle(x), ctx=f"{op} no h0/dht")
+
+
+@pytest.mark.parametrize("coef", ["zero", "tiny"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_zero_and_tiny_coefficients(op, coef):
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=5, coef=coef)
+    assert_gates(run_triton(x, BASE), oracle(x), ctx=f"{op} {coef} β/b/w")
+
+
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_strong_decay_takes_subchunk(op, consumer):
+    # g ∈ [−8, −2]: chunk ranges ≈ 300 > 128, the centred products would overflow (rewy-math §7, FLAG 3).
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=11, decay="strong")
+    paths = {}
+    out = run_triton(x, BASE.replace(consumer=consumer), "R", paths)
+    assert path_set(paths) == {PATH_SUBCHUNK}
+    assert_gates(out, oracle(x), ctx=f"{op} strong decay {consumer}")
+
+
+def test_guard_is_per_feature_tile():
+    # Strong decay on key channels 0..15 only: with 16-wide consumer tiles the first tile of every chunk takes
+    # the sub-chunk path and the second the centred path.
+    x = make_inputs("gdn2", 1, 100, 1, 32, 32, seed=19, decay="mixed")
+    paths = {}
+    out = run_triton(x, BASE.replace(consumer_cfg={"block_k": 16}, dv_local={"block_k": 16}), "A", paths)
+    flags = paths["flags"]
+    assert flags.shape == (1, 2, 2)
+    assert (flags[..., 0] == PATH_SUBCHUNK).all() and (flags[..., 1] == PATH_CENTRED).all()
+    assert_gates(out, oracle(x), ctx="gdn2 mixed tiles")
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_forced_subchunk_on_normal_gates(op):
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=23)
+    paths = {}
+    out = run_triton(x, BASE.replace(intra="subchunk", consumer="separate"), "R", paths)
+    assert path_set(paths) == {PATH_SUBCHUNK}
+    assert_gates(out, oracle(x), ctx=f"{op} forced sub-chunk")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+def test_forced_centred_overflows_under_strong_decay():
+    # Why the guard exists: the unguarded centred path returns non-finite gradients at Δ ≈ 300.
+    x = make_inputs("kda", 1, 64, 1, 32, 32, seed=29, decay="strong")
+    paths = {}
+    out = run_triton(x, BASE.replace(intra="centred"), "R", paths)
+    assert path_set(paths) == {PATH_CENTRED}
+    assert not torch.isfinite(out["dg"]).all()
+
+
+def test_chunk_size_32():
+    x = make_inputs("kda", 1, 100, 1, 32, 32, seed=31)
+    assert_gates(run_triton(x, BASE.replace(chunk_size=32)), oracle(x, C=32), ctx="kda C32")
+
+
+@pytest.mark.parametrize("intra", ["centred", "subchunk"])
+@pytest.mark.parametrize("decay", ["normal", "strong"])
+def test_dv_local_vector(decay, intra):
+    if decay == "strong" and intra == "centred":
+        pytest.skip("outside the centring guard by construction")
+    x = make_inputs("kda", 1, 100, 1, 32, 32, seed=37, decay=decay)
+    d = {n: (t.double() if t is not None else None) for n, t in x.items()}
+    scale = 32 ** -0.5
+    G = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], scale=scale).G
+    ref = torch.empty_like(d["do"])
+    for t0 in range(0, 100, 64):
+        sl = slice(t0, min(t0 + 64, 100))
+        Gc = G[0, sl, 0]  # [n, K]
+        lam = (Gc[:, None, :] - Gc[None, :, :]).masked_fill(~torch.ones(Gc.shape[0], Gc.shape[0]).tril().bool()[..., None],
+                                                              float("-inf")).exp()
+        aqk = scale * torch.einsum("ik,jk,ijk->ij", d["q"][0, sl, 0], d["k"][0, sl, 0], lam)
+        ref[0, sl, 0] = aqk.T @ d["do"][0, sl, 0]
+    out = dv_local_vector(x["q"], x["k"], G.float(), x["do"], scale=scale, BK=16, BV=32, intra=intra)
+    assert torch.isfinite(out).all()
+    assert rel_rms(out, ref) <= 1e-5
+
+
+def test_run_twice_bitwise():
+    x = make_inputs("gdn2", 1, 100, 1, 32, 32, seed=41, decay="mixed")
+    s = BASE.replace(consumer_cfg={"block_k": 16})
+    a, b = run_triton(x, s), run_triton(x, s)
+    for n in NAMES:
+        assert torch.equal(a[n], b[n]), n
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_bf16_inputs_run(op):
+    # bf16 storage of q/k/v/do/β: finiteness, dtypes and a loose sanity bound (the gates are for fp32 on CPU).
+    x = make_inputs(op, 1, 64, 1, 32, 32, dtype=torch.bfloat16, seed=43)
+    out = run_triton(x, BASE)
+    assert out["dq"].dtype == torch.bfloat16 and out["dg"].dtype == torch.float32 and out["dh0"].dtype == torch.float32
+    assert out["d_erase"].dtype == torch.bfloat16
+    ref = oracle(x)
+    for n in NAMES:
+        assert torch.isfinite(out[n].float()).all(), n
+        assert rel_rms(out[n], ref[n]) < 0.05, n
+
+
+def test_bad_inputs():
+    x = make_inputs("kda", 1, 64, 1, 32, 32)
+    A = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], scale=1.0).A
+    call = lambda **over: rewy_backward_triton_vector(**{**dict(
+        q=x["q"], k=x["k"], v=x["v"], g=x["g"], erase=x["erase"], write=x["write"], A=A, do=x["do"], dht=None,
+        scale=1.0, initial_state=None, schedule=BASE), **over})
+    with pytest.raises(ValueError, match="vector gate"):
+        call(g=torch.zeros(1, 64, 1))
+    with pytest.raises(ValueError, match="erase"):
+        call(erase=torch.zeros(1, 64, 1, 7))
+    with pytest.raises(TypeError, match="Schedule"):
+        call(schedule={"chunk_size": 64})
+    with pytest.raises(ValueError, match="policy A"):
+        call(S0=torch.zeros(1, 1, 1, 32, 32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU (benchmark shapes, bf16): run by the lead on the device machine
+
+BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
+
+
+def _gpu_schedule(KV):
+    tile = max(128, KV)  # the scans hold all K rows
+    return Schedule(forward_scan=StageConfig(tile, 64, 4, 2), reverse_scan=StageConfig(tile, 64, 4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+@pytest.mark.parametrize("B,T,H", BENCH_SHAPES)
+def test_gpu_bench_shapes(op, B, T, H):
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=16.0)
+    out = run_triton(x, _gpu_schedule(128))
+    assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+@pytest.mark.parametrize("KV", [64, 256])
+def test_gpu_head_dims(op, KV):
+    x = make_inputs(op, 1, 1000, 4, KV, KV, dtype=torch.bfloat16, device="cuda", seed=KV, gate_div=16.0)
+    assert_gates(run_triton(x, _gpu_schedule(KV)), oracle(x, device="cuda"), ctx=f"gpu {op} K=V={KV}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_strong_decay(op):
+    x = make_inputs(op, 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=5, decay="strong")
+    paths = {}
+    out = run_triton(x, _gpu_schedule(128), "R", paths)
+    assert path_set(paths) == {PATH_SUBCHUNK}
+    assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu {op} strong")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_run_twice_bitwise(op, consumer):
+    x = make_inputs(op, 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=16.0)
+    s = _gpu_schedule(128).replace(consumer=consumer)
+    a, b = run_triton(x, s), run_triton(x, s)
+    for n in NAMES:
+        assert torch.equal(a[n], b[n]), n
