@@ -29,8 +29,9 @@ def parse_shapes(text: list[str] | None) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def load_schedule(spec: str, op: str):
-    """'default' → the built-in default for this GPU; a path → a Schedule JSON file."""
+def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16), K: int = 128, V: int = 128):
+    """'default' → the built-in default for this GPU; 'db' → the stored winner nearest to `shape`
+    for this device's fingerprint; a path → a Schedule JSON file."""
     import torch
 
     from rewy_tune.schedule import Schedule
@@ -40,7 +41,7 @@ def load_schedule(spec: str, op: str):
         cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         return default_schedule(op, cc)
     if spec == "db":
-        raise ValueError("--schedule db: the winners database is not available yet; accepted: default or a JSON file")
+        return _stored_winner(op, policy, shape, K, V)
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"--schedule: {spec!r} is neither 'default', 'db' nor a readable JSON file")
@@ -48,6 +49,28 @@ def load_schedule(spec: str, op: str):
         return Schedule.from_json(path.read_text())
     except (ValueError, TypeError) as exc:
         raise ValueError(f"--schedule {spec}: not a valid schedule: {exc}") from None
+
+
+def _stored_winner(op: str, policy: str, shape, K: int, V: int):
+    from rewy_tune.db import DatabaseError, open_db, queries
+    from rewy_tune.device import current_fingerprint
+    from rewy_tune.problem import Problem, log_distance
+    from rewy_tune.schedule import Schedule
+
+    try:
+        db = open_db(read_only=True)
+    except DatabaseError as exc:
+        raise ValueError(f"--schedule db: {exc}") from None
+    want = Problem(op, policy, "bf16", *shape, K, V).bucket()
+    with db.session() as s:
+        rows = [(log_distance(want, queries.bucket_of(w)), w.schedule)
+                for w in queries.winners(s, op=op, policy=policy, fingerprint=current_fingerprint())]
+    db.close()
+    rows = [r for r in rows if r[0] != float("inf")]
+    if not rows:
+        raise ValueError(f"--schedule db: no stored winner for {op} policy {policy} K={K} V={V} on this device; "
+                         f"run `rewy-tune --device auto --op {op}` first")
+    return Schedule.from_dict(min(rows, key=lambda r: r[0])[1])
 
 
 def run_bench(op: str, policy: str, schedule, shapes, K: int, V: int, rounds: int, seed: int,

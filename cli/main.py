@@ -12,9 +12,45 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console()
 
 
-@app.callback()
-def root() -> None:
-    """Tune and check ReWY backward kernels for delta-rule linear attention."""
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    device: Optional[str] = typer.Option(None, help="the GPU the results are for (h100, h200, ..., auto) or cpu"),
+    op: Optional[str] = typer.Option(None, help="deltanet, gdn, kda, gdn2 or all"),
+    policy: str = typer.Option("R", help="R, A or both"),
+    shapes: Optional[list[str]] = typer.Option(None, help="B,T,H (repeatable); default: the paper's six (cpu: tiny)"),
+    workload: Optional[str] = typer.Option(None, help='JSON file {"shapes": [[B,T,H],...], "K":.., "V":.., "dtype":..}'),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="K = V (default 128; cpu: 32)"),
+    trials: Optional[int] = typer.Option(None, help="trials per (op, policy, bucket) study (default 60; cpu: 4)"),
+    time_budget: Optional[str] = typer.Option(None, "--time-budget", help="e.g. 30m, 90s, 1h30m"),
+    db: Optional[str] = typer.Option(None, help="database URL or SQLite path (default: REWY_DB or the data dir)"),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage URL or journal file (default: beside the db)"),
+    workers: int = typer.Option(1, help="worker processes sharing the study (one per GPU)"),
+    resume: bool = typer.Option(False, "--resume", help="continue the newest campaign of the same studies"),
+    trial_timeout: Optional[float] = typer.Option(None, "--trial-timeout", help="seconds per worker request"),
+    seed: Optional[int] = typer.Option(None, help="sampler seed"),
+) -> None:
+    """Tune and check ReWY backward kernels for delta-rule linear attention.
+
+    Without a subcommand: run a tuning campaign, e.g. `rewy-tune --device cpu --op gdn --trials 4`.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if device is None and op is None:
+        console.print(ctx.get_help())
+        raise typer.Exit(code=0)
+    from rewy_tune.cli import campaign
+
+    if op is None:
+        _fail("--op is required for a campaign (deltanet, gdn, kda, gdn2 or all)")
+    try:
+        config = campaign.build_config(device=device or "auto", op=op, policy=policy, shapes=shapes,
+                                       workload=workload, head_dim=head_dim, trials=trials,
+                                       time_budget=time_budget, db=db, storage=storage, workers=workers,
+                                       resume=resume, trial_timeout=trial_timeout, seed=seed)
+    except campaign.BadInput as exc:
+        _fail(str(exc))
+    raise typer.Exit(code=campaign.run_campaign(config, console))
 
 
 def _fail(message: str) -> None:
@@ -76,13 +112,72 @@ def bench(
         _fail("bench needs a CUDA GPU (timings on the CPU interpreter are meaningless)")
     try:
         shape_list = parse_shapes(shapes)
-        sched = load_schedule(schedule, op)
+        sched = load_schedule(schedule, op, policy=policy, shape=shape_list[0], K=head_dim, V=head_dim)
     except ValueError as exc:
         _fail(str(exc))
     data = run_bench(op, policy, sched, shape_list, head_dim, head_dim, rounds, seed, console)
     if json_out:
         write_json(json_out, data)
         console.print(f"wrote {json_out}")
+
+
+@app.command()
+def show(
+    device: Optional[str] = typer.Option(None, help="device short name (h200, cpu, ...)"),
+    op: Optional[str] = typer.Option(None, help="deltanet, gdn, kda or gdn2"),
+    db: Optional[str] = typer.Option(None, help="database URL or SQLite path"),
+) -> None:
+    """Stored winners with their speedups."""
+    from rewy_tune.cli import campaign
+
+    campaign.show(console, db, device, op)
+
+
+@app.command()
+def trials(
+    campaign_id: int = typer.Argument(..., metavar="CAMPAIGN", help="campaign id (printed by the campaign)"),
+    db: Optional[str] = typer.Option(None, help="database URL or SQLite path"),
+) -> None:
+    """The trials of one campaign with their statuses."""
+    from rewy_tune.cli import campaign
+
+    campaign.trials(console, db, campaign_id)
+
+
+@app.command("export")
+def export_cmd(
+    file: str = typer.Argument(..., help="JSON file to write"),
+    device: Optional[str] = typer.Option(None), op: Optional[str] = typer.Option(None),
+    db: Optional[str] = typer.Option(None, help="database URL or SQLite path"),
+) -> None:
+    """Write the winners as JSON with their provenance."""
+    from rewy_tune.cli import campaign
+
+    campaign.export(console, db, file, device, op)
+
+
+@app.command("import")
+def import_cmd(
+    file: str = typer.Argument(..., help="JSON file written by `rewy-tune export`"),
+    replace: bool = typer.Option(False, "--replace", help="replace existing winners for the same key"),
+    db: Optional[str] = typer.Option(None, help="database URL or SQLite path"),
+) -> None:
+    """Add the winners of an export to the database."""
+    from rewy_tune.cli import campaign
+
+    campaign.import_(console, db, file, replace)
+
+
+@app.command()
+def serve(
+    db: Optional[str] = typer.Option(None, "--db", help="database URL or file (default: $REWY_DB or the user data dir)"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on (localhost only by default)"),
+    port: int = typer.Option(8000, min=1, max=65535),
+) -> None:
+    """Serve the read-only dashboard and its JSON API (/api, OpenAPI at /docs)."""
+    from rewy_tune.cli.serve import run_serve
+
+    run_serve(db, host, port, console)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -1,0 +1,519 @@
+"""The campaign engine: one Optuna study per (device, operator, policy, shape bucket).
+
+Flow (architecture.md, Tuner):
+1. `plan_campaign` groups the workload's shapes into buckets; each (op, policy, bucket) gets a study and a
+   campaign row. A fresh study is seeded (enqueued) with the default schedule and the winners already
+   known for the same compute capability. `--resume` reopens the newest campaign of the same study.
+2. Worker loops (`--workers N`, each with its own `TrialWorker` process and, on CUDA, its own GPU) ask
+   the shared study for a trial (TPE, multivariate, conditional groups), reject constraint violations
+   before compiling (status `constraint`, recorded, never compiled), run the gates and then time the
+   workload shape by shape, reporting the running sum so `CannotBeatBestPruner` stops a trial that
+   cannot beat the best. The trial row is written to the database, then the result is told to Optuna.
+3. Budget: `--trials` (per study) and/or `--time-budget`. Ctrl-C abandons running trials (they are
+   re-enqueued) and marks the campaign interrupted. A SIGKILLed campaign's running trials are
+   reconciled on `--resume`: a trial whose row reached the database is told its recorded result; one
+   that did not is marked abandoned and re-enqueued. So no trial is lost or duplicated.
+4. Promotion (`promotion.py`) re-measures the best few and is the only step that writes winners.
+
+Study storage: a journal file beside the database by default, any Optuna storage URL with `--storage`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from rewy_tune import search
+from rewy_tune.device import Device, Environment
+from rewy_tune.problem import OPS, Bucket, Problem
+from rewy_tune.schedule import Schedule
+from rewy_tune.trial_worker import Outcome, TrialWorker
+
+STATUSES = ("ok", "constraint", "compile_error", "runtime_error", "timeout", "incorrect", "nondeterministic")
+CPU_SHAPES = ((1, 64, 1), (1, 128, 1))
+HOST = socket.gethostname()
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def available_ops() -> frozenset[str]:
+    """Operators whose Triton backward exists (the test-only reference kernel makes all available)."""
+    if os.environ.get("REWY_TUNE_TEST_KERNEL") == "reference":
+        return frozenset(OPS)
+    from rewy_tune.ops import _triton_ops
+
+    return _triton_ops()
+
+
+def kernel_backend() -> str:
+    return "torch" if os.environ.get("REWY_TUNE_TEST_KERNEL") == "reference" else "triton"
+
+
+def shape_label(shape) -> str:
+    B, T, H = shape
+    return f"B{B}-T{T}-H{H}"
+
+
+def parse_duration(text: str | None) -> float | None:
+    """'30m', '90s', '1h30m', '45' (seconds) → seconds; ValueError otherwise."""
+    if text is None or text == "":
+        return None
+    import re
+
+    s = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", s):
+        return float(s)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", s)
+    if not parts or "".join(n + u for n, u in parts) != s:
+        raise ValueError(f"--time-budget: {text!r} is not a duration such as 30m, 90s or 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+@dataclass
+class CampaignConfig:
+    device: Device
+    environment: Environment
+    ops: list[str]
+    policies: list[str]
+    shapes: list[tuple[int, int, int]]
+    K: int
+    V: int
+    dtype: str
+    trials: int | None
+    time_budget_s: float | None
+    db_url: str
+    storage_url: str | None = None
+    workers: int = 1
+    resume: bool = False
+    trial_timeout_s: float = 300.0
+    reps: int = 3
+    promote_top: int = 3
+    seed: int | None = None
+
+    @property
+    def device_kind(self) -> str:
+        return "cpu" if self.device.is_cpu else "cuda"
+
+
+@dataclass
+class StudyState:
+    """What the live display shows for one (op, policy, bucket)."""
+
+    op: str
+    policy: str
+    bucket: Bucket
+    shapes: list[tuple[int, int, int]]
+    study_name: str
+    campaign_id: int
+    target: int | None
+    study: Any = None
+    done: int = 0
+    running: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    best_ms: float | None = None
+    best_speedup: float | None = None
+    best_number: int | None = None
+    default_ms: float | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def label(self) -> str:
+        return f"{self.op} {self.policy} {self.bucket.label}"
+
+
+def storage_for(storage_url: str | None, db_url: str) -> tuple[Any, str]:
+    """The Optuna storage and its label: a journal file beside the database by default."""
+    from rewy_tune.db.engine import sqlite_file
+
+    if storage_url is None:
+        path = sqlite_file(db_url)
+        if path is None:
+            import platformdirs
+
+            path = Path(platformdirs.user_data_dir("rewy-tune")) / "rewy-tune.db"
+        storage_url = str(path.with_name(path.stem + "-optuna.journal"))
+    if "://" not in storage_url or storage_url.startswith("journal://"):
+        path = Path(storage_url.removeprefix("journal://")).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        return JournalStorage(JournalFileBackend(str(path))), str(path)
+    return optuna.storages.get_storage(storage_url), storage_url
+
+
+class CannotBeatBestPruner(optuna.pruners.BasePruner):
+    """Prune when the running sum of per-shape medians is worse than the best finished trial's at the
+    same step by more than `margin` (a trial that cannot beat the best is not timed to the end)."""
+
+    def __init__(self, margin: float = 0.15):
+        self.margin = margin
+
+    def prune(self, study, trial) -> bool:
+        step = trial.last_step
+        if step is None:
+            return False
+        value = trial.intermediate_values[step]
+        best = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False, states=(
+            optuna.trial.TrialState.COMPLETE,)) if step in t.intermediate_values]
+        return bool(best) and value > min(best) * (1 + self.margin)
+
+
+def _sampler(seed: int | None):
+    return optuna.samplers.TPESampler(multivariate=True, group=True, n_startup_trials=5, seed=seed)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def geomean(xs) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+class Campaign:
+    """One `rewy-tune --op ...` run: plans the studies, runs the worker loops, promotes."""
+
+    def __init__(self, config: CampaignConfig, db, *, on_event=None):
+        self.config = config
+        self.db = db
+        self.storage, self.storage_label = storage_for(config.storage_url, config.db_url)
+        self.states: list[StudyState] = []
+        self.skipped: dict[str, str] = {}
+        self.stop = threading.Event()
+        self.interrupted = False
+        self.started = time.monotonic()
+        self.workers: list[TrialWorker] = []
+        self.on_event = on_event
+        self.promotions: list[Any] = []
+        self.errors: list[str] = []
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self) -> list[StudyState]:
+        from rewy_tune.db import queries
+
+        cfg = self.config
+        avail = available_ops()
+        fp = cfg.environment.fingerprint(cfg.device)
+        for op in cfg.ops:
+            if op not in avail:
+                self.skipped[op] = "no Triton kernels for this operator yet"
+                continue
+            for policy in cfg.policies:
+                buckets: dict[Bucket, list] = {}
+                for shape in cfg.shapes:
+                    b = Problem(op, policy, cfg.dtype, *shape, cfg.K, cfg.V).bucket()
+                    buckets.setdefault(b, []).append(tuple(shape))
+                for bucket, shapes in buckets.items():
+                    base = f"rewy-{cfg.device.short_name}-{fp}-{bucket.label}"
+                    with self.db.session() as s:
+                        row = None
+                        if cfg.resume:
+                            for c in queries.campaigns(s, device=cfg.device.short_name, op=op, limit=1000):
+                                if (c.study_name or "").startswith(base + "-") and \
+                                        c.storage_url == self.storage_label:
+                                    row = c
+                                    break
+                        if row is None:
+                            row = queries.create_campaign(
+                                s, device=cfg.device, environment=cfg.environment, op=op, policies=[policy],
+                                workload={"shapes": [list(x) for x in shapes], "K": cfg.K, "V": cfg.V,
+                                          "dtype": cfg.dtype, "chunk_size": 64, "bucket": bucket.label,
+                                          "timing": "interpreter" if cfg.device.is_cpu else "cuda-graph"},
+                                budget={"trials": cfg.trials, "time_budget_s": cfg.time_budget_s},
+                                storage_url=self.storage_label,
+                                study_name=f"{base}-{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:6]}")
+                        st = StudyState(op, policy, bucket, shapes, row.study_name, row.id, cfg.trials)
+                    st.study = optuna.create_study(
+                        study_name=st.study_name, storage=self.storage, direction="minimize",
+                        sampler=_sampler(cfg.seed),
+                        pruner=CannotBeatBestPruner(0.5 if cfg.device.is_cpu else 0.15), load_if_exists=True)
+                    self._reconcile(st)
+                    if not st.study.get_trials(deepcopy=False):
+                        self._seed(st)
+                    self._refresh(st)
+                    self.states.append(st)
+        return self.states
+
+    def _space_kwargs(self, op: str) -> dict[str, Any]:
+        cfg = self.config
+        return dict(op=op, K=cfg.K, V=cfg.V, interpreter=cfg.device.is_cpu)
+
+    def _seed(self, st: StudyState) -> None:
+        """Enqueue the default schedule and the winners known for the same compute capability."""
+        from rewy_tune.db import queries
+
+        cfg = self.config
+        cc = cfg.device.compute_capability
+        seeds: list[Schedule] = [search.default_schedule(st.op, cc, cfg.K, cfg.V)]
+        with self.db.session() as s:
+            for w in queries.winners(s, op=st.op, policy=st.policy):
+                if w.compute_capability == "{}.{}".format(*cc) and (w.K, w.V, w.dtype) == (cfg.K, cfg.V, cfg.dtype):
+                    try:
+                        seeds.append(Schedule.from_dict(w.schedule))
+                    except ValueError:
+                        continue
+        faults = [f for f in search.FAULTS if f != "none"] if search.faults_enabled() else []
+        seen = set()
+        for fault in faults:  # test-only: one trial per fault, before the clean default
+            params = search.schedule_params(seeds[0], **self._space_kwargs(st.op))
+            if params is not None:
+                st.study.enqueue_trial({**params, "test_fault": fault}, user_attrs={"seed": f"fault-{fault}"})
+        for i, sched in enumerate(seeds):
+            params = search.schedule_params(sched, **self._space_kwargs(st.op))
+            if params is None or tuple(sorted(params.items())) in seen:
+                continue
+            seen.add(tuple(sorted(params.items())))
+            if faults:
+                params["test_fault"] = "none"
+            st.study.enqueue_trial(params, user_attrs={"seed": "default" if i == 0 else "known-winner"})
+
+    def _reconcile(self, st: StudyState) -> None:
+        """Running trials of a dead campaign process on this host: told their recorded result, or
+        abandoned and re-enqueued (nothing lost, nothing duplicated)."""
+        from rewy_tune.db import queries
+
+        storage = st.study._storage
+        for t in st.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
+            if host != HOST or pid is None or (_pid_alive(pid) and pid != os.getpid()):
+                continue
+            with self.db.session() as s:
+                row = next((r for r in queries.campaign_trials(s, st.campaign_id, limit=100000).items
+                            if r.number == t.number), None)
+                recorded = None if row is None else (row.status, dict(row.medians_ms), row.message)
+            if recorded is not None:
+                status, medians, message = recorded
+                storage.set_trial_user_attr(t._trial_id, "status", status)
+                if status == "ok" and medians and len(medians) == len(st.shapes) and "pruned" not in (message or ""):
+                    storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.COMPLETE,
+                                                   [geomean(list(medians.values()))])
+                else:
+                    storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            else:
+                storage.set_trial_user_attr(t._trial_id, "abandoned", True)
+                storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+                st.study.enqueue_trial(dict(t.params), user_attrs={"seed": f"re-run of {t.number}"})
+
+    def _counted(self, st: StudyState) -> list:
+        return [t for t in st.study.get_trials(deepcopy=False)
+                if t.state != optuna.trial.TrialState.WAITING and not t.user_attrs.get("abandoned")]
+
+    def _refresh(self, st: StudyState) -> None:
+        trials = self._counted(st)
+        with st.lock:
+            st.done = sum(t.state.is_finished() for t in trials)
+            st.running = sum(t.state == optuna.trial.TrialState.RUNNING for t in trials)
+            counts: dict[str, int] = {}
+            for t in trials:
+                if t.state.is_finished() and "status" in t.user_attrs:
+                    counts[t.user_attrs["status"]] = counts.get(t.user_attrs["status"], 0) + 1
+            st.counts = counts
+            complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+            if complete:
+                best = min(complete, key=lambda t: t.value)
+                st.best_ms, st.best_number = best.value, best.number
+                st.best_speedup = best.user_attrs.get("speedup")
+                default = [t for t in complete if t.user_attrs.get("seed") == "default"]
+                st.default_ms = default[0].value if default else None
+
+    # -- running ----------------------------------------------------------------------------------
+    def _budget_left(self) -> bool:
+        cfg = self.config
+        return cfg.time_budget_s is None or time.monotonic() - self.started < cfg.time_budget_s
+
+    def _next_study(self) -> StudyState | None:
+        open_ = []
+        for st in self.states:
+            n = len(self._counted(st))
+            if st.target is None or n < st.target:
+                open_.append((n, st))
+        return min(open_, key=lambda x: x[0])[1] if open_ else None
+
+    def run(self) -> None:
+        """Run the worker loops to the budget; returns when done or stopped (Ctrl-C: `stop_now`)."""
+        threads = []
+        for slot in range(max(1, self.config.workers)):
+            th = threading.Thread(target=self._loop, args=(slot,), daemon=True, name=f"rewy-worker-{slot}")
+            th.start()
+            threads.append(th)
+        self._threads = threads
+
+    def running(self) -> bool:
+        return any(th.is_alive() for th in getattr(self, "_threads", []))
+
+    def join(self, timeout: float | None = None) -> None:
+        for th in getattr(self, "_threads", []):
+            th.join(timeout)
+
+    def stop_now(self) -> None:
+        """Ctrl-C: stop asking, kill the trial processes; their trials are abandoned and re-enqueued."""
+        self.interrupted = True
+        self.stop.set()
+        for w in list(self.workers):
+            w.stop()
+
+    def _loop(self, slot: int) -> None:
+        cfg = self.config
+        gpu = slot if (cfg.device_kind == "cuda" and cfg.workers > 1) else None
+        worker = TrialWorker(device=cfg.device_kind, gpu_index=gpu)
+        self.workers.append(worker)
+        try:
+            while not self.stop.is_set() and self._budget_left():
+                st = self._next_study()
+                if st is None:
+                    break
+                self._one_trial(st, worker)
+        except Exception as exc:  # noqa: BLE001 - a bug in the loop must not pass silently
+            import traceback
+
+            self.errors.append(f"worker {slot}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            self.stop.set()
+        finally:
+            worker.stop()
+
+    def _record(self, st: StudyState, trial, schedule: dict, status: str, *, message=None, errors=None,
+                samples=None, compile_s=None, bench_s=None) -> None:
+        from rewy_tune.db import queries
+
+        with self.db.session() as s:
+            queries.add_trial(s, st.campaign_id, number=trial.number, schedule=schedule, status=status,
+                              errors=errors, samples_ms=samples, compile_s=compile_s, bench_s=bench_s,
+                              message=message)
+        trial.set_user_attr("status", status)
+
+    def _abandon(self, st: StudyState, trial) -> None:
+        trial.set_user_attr("abandoned", True)
+        st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        st.study.enqueue_trial(dict(trial.params), user_attrs={"seed": f"re-run of {trial.number}"})
+
+    def _one_trial(self, st: StudyState, worker: TrialWorker) -> None:
+        from rewy_tune.db import queries
+
+        cfg = self.config
+        trial = st.study.ask()
+        trial.set_user_attr("host", HOST)
+        trial.set_user_attr("pid", os.getpid())
+        self._refresh(st)
+        self._emit(st)
+        try:
+            schedule = search.suggest_schedule(trial, compute_capability=cfg.device.compute_capability,
+                                               **self._space_kwargs(st.op))
+            fault = trial.suggest_categorical("test_fault", search.FAULTS) if search.faults_enabled() else "none"
+        except ValueError as exc:  # the space produced an invalid Schedule: a constraint violation
+            self._record(st, trial, dict(trial.params), "constraint", message=str(exc))
+            st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return self._done(st)
+        sched = schedule.to_dict()
+        reason = search.constraint_violation(schedule, op=st.op, K=cfg.K, V=cfg.V, dtype=cfg.dtype,
+                                             compute_capability=cfg.device.compute_capability)
+        if reason is not None:  # rejected before compiling, recorded, never compiled
+            self._record(st, trial, sched, "constraint", message=reason)
+            st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return self._done(st)
+        task = dict(op=st.op, policy=st.policy, K=cfg.K, V=cfg.V, schedule=sched, fault=fault,
+                    device=cfg.device_kind, backend=kernel_backend(), seed=trial.number, reps=cfg.reps)
+        gate = worker.request({"kind": "gate", **task}, cfg.trial_timeout_s)
+        if self.stop.is_set():
+            return self._abandon(st, trial)
+        if gate.status != "ok":
+            self._record(st, trial, sched, gate.status, message=gate.message, errors=gate.errors,
+                         compile_s=gate.data.get("compile_s"))
+            st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return self._done(st)
+        samples: dict[str, list[float]] = {}
+        baseline: dict[str, list[float]] = {}
+        bench_s = 0.0
+        running_sum = 0.0
+        for step, shape in enumerate(st.shapes):
+            m = worker.request({"kind": "measure", "shape": list(shape), **task}, cfg.trial_timeout_s)
+            if self.stop.is_set():
+                return self._abandon(st, trial)
+            if m.status != "ok":
+                self._record(st, trial, sched, m.status, message=f"{shape_label(shape)}: {m.message}",
+                             errors=gate.errors, samples=samples, compile_s=gate.data.get("compile_s"))
+                st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                return self._done(st)
+            samples[shape_label(shape)] = m.data["ours_ms"]
+            if m.data.get("baseline_ms"):
+                baseline[shape_label(shape)] = m.data["baseline_ms"]
+            bench_s += m.data.get("bench_s", 0.0)
+            running_sum += statistics.median(m.data["ours_ms"])
+            if step < len(st.shapes) - 1:
+                trial.report(running_sum, step)
+                if trial.should_prune():
+                    self._record(st, trial, sched, "ok", errors=gate.errors, samples=samples,
+                                 compile_s=gate.data.get("compile_s"), bench_s=bench_s,
+                                 message=f"pruned after {step + 1}/{len(st.shapes)} shapes: cannot beat the best")
+                    st.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    return self._done(st)
+        trial.report(running_sum, len(st.shapes) - 1)
+        value = geomean([statistics.median(x) for x in samples.values()])
+        if baseline:
+            trial.set_user_attr("speedup", geomean([statistics.median(x) for x in baseline.values()]) / value)
+            trial.set_user_attr("baseline", m.data.get("baseline"))
+            with self.db.session() as s:
+                for label, xs in baseline.items():
+                    queries.add_baseline(s, st.campaign_id, shape=label, samples_ms=xs)
+        self._record(st, trial, sched, "ok", errors=gate.errors, samples=samples,
+                     compile_s=gate.data.get("compile_s"), bench_s=bench_s,
+                     message="interpreter timings" if cfg.device.is_cpu else None)
+        st.study.tell(trial, value)
+        self._done(st)
+
+    def _done(self, st: StudyState) -> None:
+        self._refresh(st)
+        self._emit(st)
+
+    def _emit(self, st: StudyState) -> None:
+        if self.on_event is not None:
+            self.on_event(st)
+
+    # -- finishing --------------------------------------------------------------------------------
+    def promote(self) -> list:
+        from rewy_tune import promotion
+
+        worker = TrialWorker(device=self.config.device_kind)
+        try:
+            self.promotions = [promotion.promote(self, st, worker) for st in self.states]
+        finally:
+            worker.stop()
+        return self.promotions
+
+    def finish(self) -> None:
+        from rewy_tune.db import queries
+
+        status = "interrupted" if self.interrupted else "finished"
+        with self.db.session() as s:
+            for st in self.states:
+                queries.finish_campaign(s, st.campaign_id, status)
+
+    def eta_s(self) -> float | None:
+        cfg = self.config
+        elapsed = time.monotonic() - self.started
+        done = sum(st.done for st in self.states)
+        total = sum(st.target for st in self.states) if all(st.target for st in self.states) else None
+        left = []
+        if cfg.time_budget_s is not None:
+            left.append(max(0.0, cfg.time_budget_s - elapsed))
+        if total is not None and done > 0:
+            left.append(elapsed / done * max(0, total - done))
+        return min(left) if left else None
