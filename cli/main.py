@@ -180,6 +180,18 @@ def serve(
     run_serve(db, host, port, console)
 
 
+@app.command()
+def serve(
+    db: Optional[str] = typer.Option(None, "--db", help="database URL or file (default: $REWY_DB or the user data dir)"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on (localhost only by default)"),
+    port: int = typer.Option(8000, min=1, max=65535),
+) -> None:
+    """Serve the read-only dashboard and its JSON API (/api, OpenAPI at /docs)."""
+    from rewy_tune.cli.serve import run_serve
+
+    run_serve(db, host, port, console)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     app(args=argv)
 

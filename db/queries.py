@@ -258,3 +258,79 @@ def all_winners_for_ops(session: Session, ops: Iterable[str]) -> list[WinnerRow]
     """Every winner of these ops, on every device: what the dispatcher loads once per process."""
     query = select(WinnerRow).where(WinnerRow.op.in_(list(ops))).order_by(WinnerRow.id)
     return list(session.scalars(query).unique())
+
+
+# -- dashboard reads (the `serve` dashboard and its JSON API; read-only) ------------------------------
+# Every filter below is a bound parameter of an ORM query; nothing a request sends becomes SQL text.
+
+def device_rows_named(session: Session, short_name: str) -> list[DeviceRow]:
+    """Every device row with this short name (one name can cover several memory / SM variants)."""
+    query = select(DeviceRow).where(DeviceRow.short_name == short_name).order_by(DeviceRow.id)
+    return list(session.scalars(query))
+
+
+def all_campaigns(session: Session) -> list[CampaignRow]:
+    """Every campaign, oldest first, with its environment (and device) loaded."""
+    return list(session.scalars(select(CampaignRow).order_by(CampaignRow.id)).unique())
+
+
+def campaign_count(session: Session, *, device: str | None = None, op: str | None = None,
+                   status: str | None = None) -> int:
+    query = select(func.count()).select_from(CampaignRow)
+    if device is not None:
+        query = query.join(DeviceRow, DeviceRow.id == CampaignRow.device_id).where(DeviceRow.short_name == device)
+    if op is not None:
+        query = query.where(CampaignRow.op == op)
+    if status is not None:
+        query = query.where(CampaignRow.status == status)
+    return session.scalar(query) or 0
+
+
+def trial_counts(session: Session, campaign_ids: Sequence[int] | None = None) -> dict[tuple[int, str], int]:
+    """Number of trials per (campaign id, status); all campaigns when `campaign_ids` is None."""
+    query = select(TrialRow.campaign_id, TrialRow.status, func.count()).group_by(TrialRow.campaign_id,
+                                                                                 TrialRow.status)
+    if campaign_ids is not None:
+        query = query.where(TrialRow.campaign_id.in_(list(campaign_ids)))
+    return {(cid, status): n for cid, status, n in session.execute(query)}
+
+
+@dataclass(frozen=True)
+class TrialPoint:
+    """The columns of a trial that the dashboard plots (no raw samples)."""
+
+    id: int
+    campaign_id: int
+    number: int
+    status: str
+    schedule: dict[str, Any]
+    medians_ms: dict[str, Any]
+    created_at: Any
+
+
+def trial_points(session: Session, campaign_ids: Sequence[int]) -> list[TrialPoint]:
+    """Plot columns of every trial of these campaigns, in campaign then Optuna order."""
+    if not campaign_ids:
+        return []
+    query = (select(TrialRow.id, TrialRow.campaign_id, TrialRow.number, TrialRow.status, TrialRow.schedule,
+                    TrialRow.medians_ms, TrialRow.created_at)
+             .where(TrialRow.campaign_id.in_(list(campaign_ids)))
+             .order_by(TrialRow.campaign_id, TrialRow.number))
+    return [TrialPoint(*row) for row in session.execute(query)]
+
+
+def trial_samples(session: Session, trial_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Raw timing samples (per shape label) of a few trials, by trial id."""
+    if not trial_ids:
+        return {}
+    query = select(TrialRow.id, TrialRow.samples_ms).where(TrialRow.id.in_(list(trial_ids)))
+    return {tid: samples for tid, samples in session.execute(query)}
+
+
+def baselines_of(session: Session, campaign_ids: Sequence[int]) -> list[BaselineRow]:
+    """FLA baselines of these campaigns, oldest campaign first."""
+    if not campaign_ids:
+        return []
+    query = (select(BaselineRow).where(BaselineRow.campaign_id.in_(list(campaign_ids)))
+             .order_by(BaselineRow.campaign_id, BaselineRow.id))
+    return list(session.scalars(query))

@@ -1,0 +1,160 @@
+"""The JSON API against a fixture database: every endpoint, pagination, validation, emptiness, read-only."""
+
+from __future__ import annotations
+
+import pytest
+
+from rewy_tune.db.engine import open_db
+from rewy_tune.db import queries
+
+
+def test_overview_rows_and_freshness(client):
+    data = client.get("/api/overview").json()
+    assert data["empty"] is False
+    rows = {(r["device"], r["op"], r["policy"]): r for r in data["rows"]}
+    assert set(rows) == {("a100", "gdn", "R"), ("h200", "gdn", "R"), ("h200", "deltanet", "R")}
+    h = rows["h200", "gdn", "R"]
+    assert h["trials"] == 120 and h["campaigns"] == 2 and h["winners"] == 6
+    assert h["fresh"] == 3 and h["stale_fields"] == ["triton"]  # the old campaign's winners
+    assert h["best_speedup"] > 1
+    assert rows["a100", "gdn", "R"]["fresh"] == 3
+
+
+def test_devices(client):
+    devices = client.get("/api/devices").json()
+    assert [d["short_name"] for d in devices] == ["a100", "h200"]
+    assert devices[1]["ops"] == ["deltanet", "gdn"] and devices[1]["compute_capability"] == "9.0"
+
+
+@pytest.mark.parametrize("params, n", [({}, 12), ({"device": "h200"}, 9), ({"device": "h200", "op": "gdn"}, 6),
+                                       ({"op": "deltanet"}, 3), ({"policy": "A"}, 0)])
+def test_winners_filters(client, params, n):
+    r = client.get("/api/winners", params=params)
+    assert r.status_code == 200 and len(r.json()) == n
+    for w in r.json():
+        assert all(w[k] == v for k, v in params.items())
+
+
+def test_device_op_page_data(client):
+    d = client.get("/api/devices/h200/ops/gdn").json()
+    assert d["trials"] == 120 and len(d["table"]) == 3
+    row = d["table"][0]
+    assert row["fla_ms"] and row["best_ms"] and row["default_ms"] and row["speedup"] > 1
+    assert row["spread"]["n"] == 7
+    assert d["importance"][0]["parameter"] == "consumer_cfg.num_warps"  # the fixture's strongest effect
+    assert sum(d["status_counts"].values()) == 120 and d["status_counts"]["ok"] > 60
+    assert d["best_so_far"] == sorted(d["best_so_far"], key=lambda p: -p["latency_ms"])
+    chosen = client.get("/api/devices/h200/ops/gdn", params={"shape": "B1-T2048-H16",
+                                                             "param": "consumer"}).json()
+    assert chosen["shape"] == "B1-T2048-H16" and chosen["parameter"] == "consumer"
+
+
+def test_campaigns_and_pagination(client):
+    page = client.get("/api/campaigns", params={"limit": 2}).json()
+    assert page["total"] == 4 and [c["id"] for c in page["items"]] == [4, 3]
+    assert page["items"][0]["trials"] == 80
+    assert [c["id"] for c in client.get("/api/campaigns", params={"limit": 2, "offset": 2}).json()["items"]] == [2, 1]
+    assert client.get("/api/campaigns", params={"device": "a100"}).json()["total"] == 1
+    assert client.get("/api/campaigns", params={"status": "interrupted"}).json()["total"] == 1
+
+    detail = client.get("/api/campaigns/2").json()
+    prov = detail["provenance"]
+    assert prov["gpu_name"] == "NVIDIA H200" and prov["driver"] == "570.86.15" and prov["cuda"] == "12.8"
+    assert prov["triton"] == "3.5.0" and not prov["freshness"]["fresh"]
+    assert detail["campaign"]["budget"]["trials"] == 40
+
+    seen = []
+    for offset in range(0, 80, 30):
+        t = client.get("/api/campaigns/3/trials", params={"limit": 30, "offset": offset}).json()
+        assert t["total"] == 80
+        seen += [x["number"] for x in t["items"]]
+    assert seen == list(range(80))
+    ok = client.get("/api/campaigns/3/trials", params={"status": "ok", "limit": 1000}).json()
+    assert ok["total"] == len(ok["items"]) and all(x["status"] == "ok" for x in ok["items"])
+    assert client.get("/api/campaigns/3/trials", params={"offset": 500}).json()["items"] == []
+
+
+def test_compare(client):
+    d = client.get("/api/compare", params={"op": "gdn", "devices": "h200,a100"}).json()
+    assert d["devices"] == ["h200", "a100"] and len(d["buckets"]) == 3
+    b = d["buckets"][0]
+    assert set(b["winners"]) == {"h200", "a100"}
+    assert all(f["differs"] == (f["name"] in b["differing"]) for f in b["fields"])
+    cross = {(x["schedule_of"], x["measured_on"]): x for x in b["cross_device"]}
+    assert cross["a100", "h200"]["latency_ms"] is not None  # the fixture measured a100's winner on the h200
+    assert cross["h200", "a100"]["latency_ms"] is None or cross["h200", "a100"]["slowdown"]
+    same = client.get("/api/compare?op=gdn&devices=h200&devices=a100").json()
+    assert same["devices"] == ["h200", "a100"]
+
+
+@pytest.mark.parametrize("url", [
+    "/api/winners?op=mamba", "/api/winners?policy=Z", "/api/devices/h200/ops/mamba", "/api/compare?op=x&devices=a,b",
+    "/api/compare?op=gdn&devices=h200", "/api/compare?op=gdn", "/api/campaigns/abc", "/api/campaigns/0",
+    "/api/campaigns/1/trials?limit=1001", "/api/campaigns/1/trials?limit=0", "/api/campaigns/1/trials?offset=-1",
+    "/api/campaigns/1/trials?status=great", "/api/devices/h200/ops/gdn?param=warp_speed",
+    "/api/winners?device=H200%27%20OR%201=1", "/api/campaigns/99999999999999999999999",
+])
+def test_malformed_parameters_are_422(client, url):
+    assert client.get(url).status_code == 422, url
+
+
+@pytest.mark.parametrize("url", [
+    "/api/campaigns/999", "/api/campaigns/999/trials", "/api/winners?device=v100", "/api/devices/v100/ops/gdn",
+    "/api/compare?op=gdn&devices=h200,v100", "/api/devices/h200/ops/gdn?shape=B9-T9-H9",
+])
+def test_unknown_ids_and_names_are_404(client, url):
+    r = client.get(url)
+    assert r.status_code == 404, url
+    assert r.json()["detail"]
+
+
+def test_sql_injection_looking_values_are_harmless(client, fixture_db):
+    for url in ["/api/winners?device=h200;DROP TABLE winners", "/api/winners?device=h200' OR '1'='1",
+                "/api/campaigns?device=a%25", "/api/devices/h200/ops/gdn?shape=B1-T2048-H16'--",
+                "/api/campaigns/1%20OR%201=1/trials", "/api/compare?op=gdn&devices=h200,a100;--"]:
+        assert client.get(url).status_code in (404, 422), url
+    # a pattern-valid name that would match everything as LIKE or SQL text matches nothing
+    assert client.get("/api/campaigns", params={"device": "h200-or-1"}).json()["total"] == 0
+    db = open_db(fixture_db, read_only=True)
+    with db.session() as s:
+        assert len(queries.winners(s)) == 12 and len(queries.devices(s)) == 2
+    db.close()
+
+
+def test_no_write_methods(client):
+    schema = client.get("/openapi.json").json()
+    assert all(set(ops) == {"get"} for ops in schema["paths"].values())
+    for path in ["/api/winners", "/api/campaigns", "/api/devices", "/api/campaigns/1", "/"]:
+        for method in ("POST", "PUT", "PATCH", "DELETE"):
+            assert client.request(method, path).status_code == 405, (method, path)
+    for path in ["/devices/h200/gdn", "/campaigns/1", "/compare"]:
+        assert client.post(path).status_code == 405
+
+
+def test_openapi_lists_every_api_route(client):
+    schema = client.get("/openapi.json").json()
+    assert {"/api/overview", "/api/devices", "/api/devices/{device}/ops/{op}", "/api/winners", "/api/campaigns",
+            "/api/campaigns/{campaign_id}", "/api/campaigns/{campaign_id}/trials", "/api/compare"} <= set(schema["paths"])
+    assert all(set(ops) == {"get"} for ops in schema["paths"].values())
+    op_param = next(p for p in schema["paths"]["/api/winners"]["get"]["parameters"] if p["name"] == "op")
+    assert "deltanet" in str(op_param["schema"])
+
+
+def test_empty_database(empty_client):
+    o = empty_client.get("/api/overview").json()
+    assert o["empty"] is True and o["rows"] == [] and o["database"].endswith("empty.db")
+    assert empty_client.get("/api/devices").json() == []
+    assert empty_client.get("/api/winners").json() == []
+    assert empty_client.get("/api/campaigns").json()["total"] == 0
+    assert empty_client.get("/api/campaigns/1").status_code == 404
+    assert empty_client.get("/api/winners?device=h200").status_code == 404
+
+
+def test_missing_database_file_is_not_created(missing_client):
+    client, path = missing_client
+    o = client.get("/api/overview").json()
+    assert o["empty"] is True and "no rewy-tune database" in o["database_error"]
+    assert client.get("/api/campaigns").json()["items"] == []
+    page = client.get("/")
+    assert page.status_code == 200 and "missing.db" in page.text and "rewy-tune --device cpu" in page.text
+    assert not path.exists() and not path.parent.exists()

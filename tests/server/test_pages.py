@@ -1,0 +1,55 @@
+"""The HTML pages render from the fixture database, and their empty and not-found states."""
+
+from __future__ import annotations
+
+
+def test_overview_page(client):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert 'href="/devices/h200/gdn"' in r.text and "triton changed" in r.text
+    assert "/static/style.css" in r.text
+    assert client.get("/static/style.css").status_code == 200
+
+
+def test_device_page_has_table_and_charts(client):
+    r = client.get("/devices/h200/gdn")
+    assert r.status_code == 200
+    assert r.text.count('class="shape-row"') == 3
+    for chart in ('id="scatter"', 'id="history"', 'id="failures"', 'id="importance"'):
+        assert chart in r.text
+    assert r.text.count("<svg") >= 4 and "best-so-far" in r.text
+    r = client.get("/devices/h200/gdn?param=consumer&shape=B4-T4096-H32")
+    assert r.status_code == 200 and "Latency against consumer" in r.text
+
+
+def test_device_without_campaigns_for_op(client):
+    r = client.get("/devices/a100/kda")
+    assert r.status_code == 200 and "No campaign for kda on a100" in r.text
+
+
+def test_compare_and_campaign_pages(client):
+    r = client.get("/compare?op=gdn&devices=h200&devices=a100")
+    assert r.status_code == 200 and 'class="differs"' in r.text and "compare-table" in r.text
+    assert client.get("/compare").status_code == 200
+    r = client.get("/campaigns/2")
+    assert r.status_code == 200
+    for text in ("NVIDIA H200", "570.86.15", "12.8", "3.5.0", "Kernel hash", "time_budget_s", 'id="timeline"'):
+        assert text in r.text
+
+
+def test_not_found_page_is_html(client):
+    r = client.get("/campaigns/4242")
+    assert r.status_code == 404 and "no campaign with id 4242" in r.text and "<html" in r.text
+    assert client.get("/devices/v100/gdn").status_code == 404
+
+
+def test_text_from_the_database_is_escaped(client):
+    # device names are patterns and statuses closed sets; the template must still never emit raw markup
+    r = client.get("/devices/h200/gdn")
+    assert "<script" not in r.text
+
+
+def test_empty_database_pages(empty_client):
+    r = empty_client.get("/")
+    assert r.status_code == 200 and 'id="empty-state"' in r.text and "empty.db" in r.text
+    assert empty_client.get("/compare").status_code == 200
