@@ -94,7 +94,7 @@ def rewy_bwd_kernel_dv_local_vector(
 
     # b_at[j, i] = Σ_f k_jf q_if Λ_ijf (row j, column i), accumulated over K tiles in fp32.
     b_at = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in tl.static_range(0, tl.cdiv(K, BK)):
+    for i_k in tl.static_range(0, (K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_rk = m_row[:, None] & m_k[None, :]
@@ -132,7 +132,7 @@ def rewy_bwd_kernel_dv_local_vector(
                 b_at += tl.where(o_i[None, :] == o_c[:, None], b_val[:, None], 0.0)
     m_at = (o_i[:, None] <= o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_at = tl.where(m_at, b_at * scale, 0.0)
-    for i_v in tl.static_range(0, tl.cdiv(V, BV)):
+    for i_v in tl.static_range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
