@@ -45,6 +45,8 @@ CENTRED_MAX_RANGE = 128.0
 SUBCHUNK_ROWS = 16  # row block of the fallback (FLA chunk_kda_bwd_intra's BC)
 INTRA_CODES = {"auto": 0, "centred": 1, "subchunk": 2}
 PATH_CENTRED, PATH_SUBCHUNK = 1, 2
+MAX_HEAD_DIM = 256
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -463,6 +465,16 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
                          f"{None if g is None else tuple(g.shape)}")
     if (S0 is None) != (R is None):
         raise ValueError("policy A passes both S0 and R; policy R passes neither")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"head dims K={K}, V={V}: the Triton kernels support K, V <= {MAX_HEAD_DIM}")
+    if q.dtype not in KERNEL_DTYPES or any(t.dtype != q.dtype for t in (k, v, do)):
+        raise ValueError(f"q, k, v, do must share one dtype among float16, bfloat16, float32; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}")
+    if tuple(A.shape) != (B, T, H, schedule.chunk_size):
+        raise ValueError(f"A must be [B,T,H,chunk_size]={(B, T, H, schedule.chunk_size)}, got {tuple(A.shape)}")
+    for name, t in (("initial_state", initial_state), ("dht", dht)):
+        if t is not None and tuple(t.shape) != (B, H, K, V):
+            raise ValueError(f"{name} must be [B,H,K,V]={(B, H, K, V)}, got {tuple(t.shape)}")
     schedule.validate_for(K, V)
     q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
     erase, write = erase.contiguous(), write.contiguous()

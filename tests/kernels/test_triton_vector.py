@@ -284,6 +284,11 @@ def test_bad_inputs():
         call(erase=torch.zeros(1, 64, 1, 7))
     with pytest.raises(TypeError, match="Schedule"):
         call(schedule={"chunk_size": 64})
+    with pytest.raises(ValueError, match="share one dtype"):
+        call(k=x["k"].half())
+    with pytest.raises(ValueError, match="K, V <= 256"):
+        big = torch.zeros(1, 64, 1, 512)
+        call(q=big, k=big, g=big)
     with pytest.raises(ValueError, match="policy A"):
         call(S0=torch.zeros(1, 1, 1, 32, 32))
 
