@@ -132,6 +132,8 @@ def rewy_bwd_kernel_dv_local_vector(
                 b_gc = tl.load(G + p_c, mask=m_ck, other=0.0).to(tl.float32)
                 b_val = tl.sum(b_k * b_qc * tl.exp(tl.where(m_ck, b_gc - b_g, float("-inf"))), axis=1)
                 b_at += tl.where(o_i[None, :] == o_c[:, None], b_val[:, None], 0.0)
+    # Centred tiles: the upper triangle holds α_i ζ_j with i < j, up to e^Δ (inf in fp32 for Δ > 88); tl.where
+    # drops it (never a multiply by 0, which would give NaN).
     m_at = (o_i[:, None] <= o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_at = tl.where(m_at, b_at * scale, 0.0)
     for i_v in tl.static_range(0, (V + BV - 1) // BV):

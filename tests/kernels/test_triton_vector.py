@@ -193,6 +193,19 @@ def test_strong_decay_takes_subchunk(op, consumer):
     assert_gates(out, oracle(x), ctx=f"{op} strong decay {consumer}")
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # dv_local's discarded upper triangle, see below
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_centred_just_inside_guard(op):
+    # g ∈ [−2, −1.8]: Δ ≈ 120 ≤ 128, so the centred path runs with α, ζ up to e^60. (In dv_local the product's
+    # upper triangle reaches e^120 = inf in fp32; it is discarded by the causal mask, never multiplied.)
+    x = make_inputs(op, 1, 64, 1, 32, 32, seed=3)
+    x["g"] = -1.8 - 0.2 * torch.rand(1, 64, 1, 32, generator=torch.Generator().manual_seed(4))
+    paths = {}
+    out = run_triton(x, BASE, "R", paths)
+    assert path_set(paths) == {PATH_CENTRED}
+    assert_gates(out, oracle(x), ctx=f"{op} Δ≈120 centred")
+
+
 def test_guard_is_per_feature_tile():
     # Strong decay on key channels 0..15 only: with 16-wide consumer tiles the first tile of every chunk takes
     # the sub-chunk path and the second the centred path.
