@@ -307,14 +307,60 @@ def test_bad_inputs():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# end to end through the public ops (once kernels/triton_function.py lists KDA/GDN2)
+
+
+def _triton_ops():
+    try:
+        from rewy_tune.kernels.triton_function import SUPPORTED_OPS
+    except ImportError:
+        return ()
+    return SUPPORTED_OPS
+
+
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_public_op_backend_triton(op, policy):
+    if op not in _triton_ops():
+        pytest.skip(f"{op} is not in triton_function.SUPPORTED_OPS yet")
+    import rewy_tune
+
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=47)
+    fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
+    coefs = ("erase",) if op == "kda" else ("erase", "write")
+    names = ("q", "k", "v", "g", *coefs, "h0")
+
+    def grads(dtype, backend):
+        leaves = {n: x[n].detach().to(dtype).requires_grad_() for n in names}
+        co = [leaves[n] for n in coefs]
+        o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], *co, initial_state=leaves["h0"],
+                   output_final_state=True, policy=policy, backend=backend)
+        ((o * x["do"].to(dtype)).sum() + (ht * x["dht"].to(dtype)).sum()).backward()
+        return {n: leaves[n].grad for n in names}
+
+    got, ref = grads(torch.float32, "triton"), grads(torch.float64, "torch")
+    for n in names:
+        assert torch.isfinite(got[n]).all(), n
+        tol = GATE if n in ("g", "erase", "write") else ORDINARY
+        assert rel_rms(got[n], ref[n]) <= tol, (n, rel_rms(got[n], ref[n]))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # GPU (benchmark shapes, bf16): run by the lead on the device machine
 
 BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
 
 
 def _gpu_schedule(KV):
-    tile = max(128, KV)  # the scans hold all K rows
-    return Schedule(forward_scan=StageConfig(tile, 64, 4, 2), reverse_scan=StageConfig(tile, 64, 4, 2))
+    try:
+        from rewy_tune.search_spaces import default_schedule
+
+        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV)
+    except ImportError:
+        tile = max(128, KV)  # the scans hold all K rows; one pipeline stage keeps fp32 operands in shared memory
+        one = lambda bk=64: StageConfig(bk, 64, 4, 1)
+        return Schedule(recompute=one(), forward_scan=one(tile), dv_local=one(), reverse_scan=one(tile),
+                        producer=one(), consumer_cfg=one(), cumsum=one())
 
 
 @pytest.mark.gpu
