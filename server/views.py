@@ -30,12 +30,17 @@ class NotFound(LookupError):
 
 
 def flatten(schedule: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"consumer_cfg": {"num_warps": 4}} -> {"consumer_cfg.num_warps": 4} (stage dicts are one level deep)."""
     out: dict[str, Any] = {}
     for key, value in schedule.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
+        if type(value) is dict:
+            for sub, v in value.items():
+                if type(v) is dict:
+                    out.update(flatten(v, f"{prefix}{key}.{sub}."))
+                else:
+                    out[f"{prefix}{key}.{sub}"] = v
         else:
-            out[f"{prefix}{key}"] = value
+            out[prefix + key] = value
     return out
 
 
@@ -202,14 +207,21 @@ def _importance(ok: list[tuple[dict[str, Any], float]]) -> list[dict[str, Any]]:
     out = []
     keys = sorted({k for flat, _ in ok for k in flat})
     for key in keys:
-        groups: dict[str, list[float]] = defaultdict(list)
-        for (flat, _), lv in zip(ok, logs):
-            value = flat.get(key)
-            groups[value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)].append(lv)
-        k = len(groups)
+        values = [flat.get(key) for flat, _ in ok]
+        sums: dict[Any, list[float]] = {}
+        for value, lv in zip(values, logs):
+            if not isinstance(value, (int, float, str, bool, type(None))):
+                value = repr(value)
+            acc = sums.get(value)
+            if acc is None:
+                sums[value] = [lv, 1]
+            else:
+                acc[0] += lv
+                acc[1] += 1
+        k = len(sums)
         if k < 2 or n - k < 1:
             continue
-        between = sum(len(g) * (sum(g) / len(g) - mean) ** 2 for g in groups.values())
+        between = sum(c * (t / c - mean) ** 2 for t, c in sums.values())
         eta2 = between / total
         adjusted = max(0.0, 1 - (1 - eta2) * (n - 1) / (n - k))
         out.append({"parameter": key, "importance": adjusted, "eta_squared": eta2, "levels": k})

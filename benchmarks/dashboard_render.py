@@ -1,0 +1,49 @@
+"""Time the dashboard's heaviest page (device + operator) over a campaign of 10 000 trials, on this CPU.
+
+    python benchmarks/dashboard_render.py [--trials 10000] [--repeat 5]
+
+Builds the fixture database (tests/server/server_fixture_db.py) plus one h200/kda campaign of --trials
+trials in a temporary directory, then renders /devices/h200/kda through the ASGI app (no network) and
+prints the cold and the best warm time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
+
+import server_fixture_db  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from rewy_tune.server.app import create_app  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        path = server_fixture_db.build(str(Path(tmp) / "bench.db"), trials=40, big=args.trials)
+        print(f"built the database in {time.perf_counter() - t:.1f} s")
+        with TestClient(create_app(path)) as client:
+            client.get("/api/devices")  # open the database, import everything
+            for url in ("/devices/h200/kda", "/api/devices/h200/ops/kda", "/campaigns/5"):
+                times = []
+                for _ in range(args.repeat):
+                    t = time.perf_counter()
+                    r = client.get(url)
+                    times.append(time.perf_counter() - t)
+                    assert r.status_code == 200, (url, r.status_code)
+                print(f"{url}: {args.trials} trials, cold {times[0] * 1000:.0f} ms, best {min(times) * 1000:.0f} ms, "
+                      f"{len(r.content) / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
