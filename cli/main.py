@@ -54,7 +54,7 @@ def root(
 
 
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -166,18 +166,6 @@ def import_cmd(
     from rewy_tune.cli import campaign
 
     campaign.import_(console, db, file, replace)
-
-
-@app.command()
-def serve(
-    db: Optional[str] = typer.Option(None, "--db", help="database URL or file (default: $REWY_DB or the user data dir)"),
-    host: str = typer.Option("127.0.0.1", help="interface to listen on (localhost only by default)"),
-    port: int = typer.Option(8000, min=1, max=65535),
-) -> None:
-    """Serve the read-only dashboard and its JSON API (/api, OpenAPI at /docs)."""
-    from rewy_tune.cli.serve import run_serve
-
-    run_serve(db, host, port, console)
 
 
 @app.command()

@@ -135,6 +135,9 @@ def promote(campaign, st, worker) -> PromotionResult:
     if baseline_ms is None:
         return PromotionResult(st.label, "none", "no baseline timing to compare against")
     with campaign.db.session() as s:
+        now = queries.winner_for(s, st.bucket, fingerprint=cfg.environment.fingerprint(cfg.device))
+        if (None if now is None else dict(now.schedule)) != current_schedule:
+            return PromotionResult(st.label, "kept", "another worker promoted a winner meanwhile")
         for label, xs in baseline_samples.items():
             if xs:
                 queries.add_baseline(s, st.campaign_id, shape=label, samples_ms=xs)
