@@ -237,9 +237,17 @@ def test_forced_centred_overflows_under_strong_decay():
     assert not torch.isfinite(out["dg"]).all()
 
 
-def test_chunk_size_32():
-    x = make_inputs("kda", 1, 100, 1, 32, 32, seed=31)
-    assert_gates(run_triton(x, BASE.replace(chunk_size=32)), oracle(x, C=32), ctx="kda C32")
+@pytest.mark.parametrize("C,op,decay,intra,expect", [
+    (32, "kda", "normal", "auto", {PATH_CENTRED}),
+    (32, "gdn2", "strong", "auto", {PATH_CENTRED, PATH_SUBCHUNK}),  # the 4-row tail chunk stays inside the guard
+    (16, "kda", "strong", "subchunk", {PATH_SUBCHUNK}),  # one block per chunk: diagonal blocks only
+])
+def test_other_chunk_sizes(C, op, decay, intra, expect):
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=31, decay=decay)
+    paths = {}
+    out = run_triton(x, BASE.replace(chunk_size=C, intra=intra), "R", paths)
+    assert path_set(paths) == expect
+    assert_gates(out, oracle(x, C=C), ctx=f"{op} C{C} {decay} {intra}")
 
 
 @pytest.mark.parametrize("intra", ["centred", "subchunk"])
