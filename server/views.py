@@ -9,7 +9,8 @@ import json
 import math
 import re
 import statistics
-from collections import Counter, defaultdict
+import threading
+from collections import Counter, OrderedDict, defaultdict
 from datetime import datetime
 from typing import Any
 
@@ -238,12 +239,43 @@ def _spread(samples: list[float]) -> dict[str, float] | None:
             "iqr_pct": 100 * (qs[2] - qs[0]) / med if med else None}
 
 
+_POINTS_CACHE: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
+_POINTS_CACHE_SIZE = 8
+_CACHE_LOCK = threading.Lock()
+
+
+def _points_and_flats(session: Session, camps: list[CampaignRow]) -> tuple[list, list]:
+    """Trial plot columns and flattened schedules of these campaigns.
+
+    Campaigns that are no longer running do not change (a resumed one is running again), so their
+    decoded trials are kept, keyed on the database URL, ids, statuses, end times and trial counts."""
+    ids = [c.id for c in camps]
+    if not ids or any(c.status == "running" for c in camps):
+        points = q.trial_points(session, ids)
+        return points, [flatten(p.schedule) for p in points]
+    counts = Counter()
+    for (cid, _), n in q.trial_counts(session, ids).items():
+        counts[cid] += n
+    key = (str(session.get_bind().url),) + tuple((c.id, c.status, c.finished_at, counts[c.id]) for c in camps)
+    with _CACHE_LOCK:
+        if key in _POINTS_CACHE:
+            _POINTS_CACHE.move_to_end(key)
+            return _POINTS_CACHE[key]
+    points = q.trial_points(session, ids)
+    value = (points, [flatten(p.schedule) for p in points])
+    with _CACHE_LOCK:
+        _POINTS_CACHE[key] = value
+        while len(_POINTS_CACHE) > _POINTS_CACHE_SIZE:
+            _POINTS_CACHE.popitem(last=False)
+    return value
+
+
 def device_op(session: Session, device: str, op: str, shape: str | None = None,
               param: str | None = None) -> dict[str, Any]:
     ids = _device_ids(session, device)
     camps = [c for c in q.all_campaigns(session) if c.device_id in ids and c.op == op]
     camp_ids = [c.id for c in camps]
-    points = q.trial_points(session, camp_ids)
+    points, flats = _points_and_flats(session, camps)
     fla: dict[str, float] = {}
     for b in q.baselines_of(session, camp_ids):
         fla[b.shape] = b.median_ms  # the newest campaign's measurement wins
@@ -252,7 +284,6 @@ def device_op(session: Session, device: str, op: str, shape: str | None = None,
         raise NotFound(f"no shape {shape!r} measured for {op} on {device} (measured: {', '.join(shapes) or 'none'})")
     chosen_shape = shape or (shapes[0] if shapes else None)
 
-    flats = [flatten(p.schedule) for p in points]
     status_counts = Counter(p.status for p in points)
     table = []
     best_ids = []
@@ -377,7 +408,7 @@ def campaign_detail(session: Session, campaign_id: int) -> dict[str, Any]:
         raise NotFound(f"no campaign with id {campaign_id}")
     counts = q.trial_counts(session, [c.id])
     env = c.environment
-    points = q.trial_points(session, [c.id])
+    points = _points_and_flats(session, [c])[0]
     shapes = sorted({s for p in points for s in p.medians_ms}, key=_shape_sort_key)
     best: dict[str, float] = {}
     for p in points:
