@@ -270,6 +270,27 @@ def _points_and_flats(session: Session, camps: list[CampaignRow]) -> tuple[list,
     return value
 
 
+def _default_schedules(camps: list[CampaignRow]) -> list[dict[str, Any]]:
+    """The untuned default schedule of each campaign (the tuner's, for its op, device and K, V)."""
+    out = [DEFAULT_SCHEDULE]
+    try:
+        from rewy_tune.search import default_schedule
+    except ImportError:
+        return out
+    for c in camps:
+        K, V = c.workload.get("K"), c.workload.get("V")
+        if not (isinstance(K, int) and isinstance(V, int)):
+            continue
+        device = c.environment.device
+        try:
+            sched = default_schedule(c.op, (device.cc_major, device.cc_minor), K, V).to_dict()
+        except Exception:  # noqa: BLE001 - a default the tuner cannot build is simply not shown
+            continue
+        if sched not in out:
+            out.append(sched)
+    return out
+
+
 def device_op(session: Session, device: str, op: str, shape: str | None = None,
               param: str | None = None) -> dict[str, Any]:
     ids = _device_ids(session, device)
@@ -285,6 +306,7 @@ def device_op(session: Session, device: str, op: str, shape: str | None = None,
     chosen_shape = shape or (shapes[0] if shapes else None)
 
     status_counts = Counter(p.status for p in points)
+    defaults = _default_schedules(camps)
     table = []
     best_ids = []
     for s in shapes:
@@ -295,7 +317,7 @@ def device_op(session: Session, device: str, op: str, shape: str | None = None,
                 continue
             if best is None or y < best.medians_ms[s]:
                 best = p
-            if p.schedule == DEFAULT_SCHEDULE:
+            if p.schedule in defaults:
                 default = p
         table.append({"shape": s, "fla_ms": fla.get(s),
                       "default_ms": default.medians_ms[s] if default else None,

@@ -158,3 +158,30 @@ def test_missing_database_file_is_not_created(missing_client):
     page = client.get("/")
     assert page.status_code == 200 and "missing.db" in page.text and "rewy-tune --device cpu" in page.text
     assert not path.exists() and not path.parent.exists()
+
+
+def test_running_campaign_is_read_fresh_and_finished_ones_are_cached(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from rewy_tune.server.app import create_app
+    from server_fixture_db import H200, environment
+
+    path = str(tmp_path / "live.db")
+    writer = open_db(path)
+    with writer.session() as s:
+        cid = queries.create_campaign(s, device=H200, environment=environment(), op="kda", policies=("R",),
+                                      workload={"K": 128, "V": 128}, budget={"trials": 3}).id
+        queries.add_trial(s, cid, number=0, schedule={"chunk_size": 64}, status="ok", samples_ms={"B1-T64-H1": [1.0]})
+    with TestClient(create_app(path)) as client:
+        assert client.get("/api/devices/h200/ops/kda").json()["trials"] == 1
+        with writer.session() as s:
+            queries.add_trial(s, cid, number=1, schedule={"chunk_size": 32}, status="timeout")
+        assert client.get("/api/devices/h200/ops/kda").json()["trials"] == 2
+        with writer.session() as s:
+            queries.finish_campaign(s, cid)
+        assert client.get("/api/devices/h200/ops/kda").json()["trials"] == 2
+        with writer.session() as s:  # a trial overwritten after the end still changes the key (count)
+            queries.add_trial(s, cid, number=2, schedule={"chunk_size": 16}, status="constraint")
+        assert client.get("/api/devices/h200/ops/kda").json()["status_counts"] == {"ok": 1, "timeout": 1,
+                                                                                    "constraint": 1}
+    writer.close()
