@@ -279,8 +279,9 @@ def rewy_bwd_kernel_consumer_vector(
 
         # ---- intra contractions: X_q, X_e rows [BT, BK]; X_y transposed [BK, BT]
         b_c, delta = _tile_range(b_g, m_row, m_k)
-        if _use_centred(delta, INTRA, MAX_RANGE):
-            tl.store(paths + (i_bh * NT + i_t) * NK + i_k, 1)
+        use_centred = _use_centred(delta, INTRA, MAX_RANGE)
+        tl.store(paths + (i_bh * NT + i_t) * NK + i_k, tl.where(use_centred, 1, 2))
+        if use_centred:
             b_a = tl.exp(tl.where(m_rk, b_g - b_c[None, :], 0.0))
             b_y = b_k * tl.exp(tl.where(m_rk, b_c[None, :] - b_g, 0.0))
             b_ct = b_gt - b_c[:, None]
@@ -292,7 +293,6 @@ def rewy_bwd_kernel_consumer_vector(
             b_uyt = tl.dot(b_ekt * b_at_, b_D, b_uyt, input_precision="ieee")
             b_xyt = b_zt * b_uyt
         else:
-            tl.store(paths + (i_bh * NT + i_t) * NK + i_k, 2)
             b_xq = tl.zeros([BT, BK], dtype=tl.float32)
             b_xe = tl.zeros([BT, BK], dtype=tl.float32)
             b_xyt = tl.zeros([BK, BT], dtype=tl.float32)

@@ -40,8 +40,9 @@ BASE = Schedule(
 SEPARATE = {
     "separate-fp32-bk16": BASE.replace(consumer="separate", pd_dtype="fp32",
                                        consumer_cfg={"block_k": 16, "block_v": 16}),
-    "separate-input-bv16": BASE.replace(consumer="separate", pd_dtype="input", producer={"block_v": 16},
-                                        dv_local={"block_k": 16, "block_v": 16}),
+    "separate-input-bk64": BASE.replace(consumer="separate", pd_dtype="input", producer={"block_v": 16},
+                                        dv_local={"block_k": 16, "block_v": 16},
+                                        consumer_cfg={"block_k": 64, "block_v": 64}),  # tiles wider than K, V
 }
 
 
