@@ -11,6 +11,7 @@ campaign's decoded trials are cached by the server).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -38,14 +39,17 @@ def main() -> None:
             for url in ("/devices/h200/gdn", "/campaigns/1"):  # compile the templates on small pages
                 client.get(url)
             for url in ("/devices/h200/kda", "/api/devices/h200/ops/kda", "/campaigns/5"):
-                times = []
+                times, cpu = [], []
                 for _ in range(args.repeat):
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     r = client.get(url)
                     times.append(time.perf_counter() - t)
+                    cpu.append(time.process_time() - c)
                     assert r.status_code == 200, (url, r.status_code)
-                print(f"{url}: {args.trials} trials, cold {times[0] * 1000:.0f} ms, best {min(times) * 1000:.0f} ms, "
-                      f"{len(r.content) / 1e6:.2f} MB")
+                print(f"{url}: {args.trials} trials, cold {times[0] * 1000:.0f} ms (CPU {cpu[0] * 1000:.0f} ms), "
+                      f"warm best {min(times) * 1000:.0f} ms (CPU {min(cpu) * 1000:.0f} ms), {len(r.content) / 1e6:.2f} MB")
+    print(f"load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs "
+          "(wall times grow with other work on a shared machine; CPU times do not)")
 
 
 if __name__ == "__main__":

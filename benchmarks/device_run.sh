@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install the carried wheels and this project, run the GPU tests,
+# Python runs with -P so the checkout's rewy_tune/ folder does not shadow the installed namespace.
 # the CUDA verify gate and the benchmark, leaving logs and JSON under $OUT.
 #   usage: bash benchmarks/device_run.sh TESTS_SECONDS "OPS" "POLICIES" [pytest paths...]
 set -uo pipefail
@@ -10,11 +11,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 tests_s=${1:-240}; ops=${2:-"deltanet gdn"}; policies=${3:-"R A"}; shift 3 || true
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 if [ "$tests_s" -gt 0 ]; then
-  timeout "$tests_s" python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}" > "$OUT/gpu-tests.log" 2>&1
+  timeout "$tests_s" python3 -P -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}" > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -25
 fi
 for op in $ops; do for pol in $policies; do
-  python3 -m rewy_tune.cli.main bench --op "$op" --policy "$pol" --json "$OUT/bench-$op-$pol.json" \
+  python3 -P -m rewy_tune.cli.main bench --op "$op" --policy "$pol" --json "$OUT/bench-$op-$pol.json" \
     > "$OUT/bench-$op-$pol.log" 2>&1; echo "bench $op $pol rc=$?"
   grep -v "^measuring" "$OUT/bench-$op-$pol.log" | tail -16
 done; done

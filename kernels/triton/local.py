@@ -66,7 +66,7 @@ def rewy_bwd_kernel_dv_local(
 
     # A_qkᵀ[j, i] = s Σ_f k_jf q_if Λ_ij, formed directly as K Qᵀ with Qᵀ loaded transposed (no tl.trans).
     b_at = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in tl.static_range(0, tl.cdiv(K, BK)):
+    for i_k in tl.static_range(0, (K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
@@ -81,7 +81,7 @@ def rewy_bwd_kernel_dv_local(
     else:
         b_at = tl.where(m_at, b_at * scale, 0.0)
     b_at = b_at.to(DT)
-    for i_v in tl.static_range(0, tl.cdiv(V, BV)):
+    for i_v in tl.static_range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
@@ -126,7 +126,7 @@ def rewy_bwd_kernel_producer(
     # Aᵀ[j, i] = A[i, j], loaded transposed from memory.
     b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0).to(DT)
     b_d = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in tl.static_range(0, tl.cdiv(V, BV)):
+    for i_v in tl.static_range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
@@ -165,6 +165,8 @@ def rewy_bwd_kernel_consumer(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, JOINT: tl.constexpr, PREC: tl.constexpr,
 ):
+    # Tiles are addressed through block pointers: per-element pointer tensors of the ~10 tiles this kernel
+    # walks would otherwise stay live across the V loop (2 registers per element) and spill.
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
@@ -174,10 +176,22 @@ def rewy_bwd_kernel_consumer(
     tok = (i_b * T + rows) * H + i_h
     n_last = tl.minimum(T - t0, BT) - 1  # last valid row of this chunk (tail chunk: fewer rows)
     is_last = o_i == n_last
+    bos = (i_b * T * H + i_h).to(tl.int64)  # token (b, 0, h)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
     DT = k.dtype.element_ty
-    m_cc = m_row[:, None] & m_row[None, :]
-    m_lt = (o_i[:, None] > o_i[None, :]) & m_cc  # strict lower: self-term split of H, and L_< of D
+    q += bos * K
+    k += bos * K
+    dq += bos * K
+    dk += bos * K
+    dk_col += bos * K
+    v += bos * V
+    R += bos * V
+    Rbar += bos * V
+    do += bos * V
+    dv += bos * V
+    A += bos * BT
+    S0 += s_off
+    dS1 += s_off
 
     b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
     b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
@@ -186,9 +200,12 @@ def rewy_bwd_kernel_consumer(
         b_gn = tl.sum(tl.where(is_last, b_g, 0.0), axis=0)
         b_gamma = tl.where(m_row, tl.exp(b_g), 0.0)
         b_tau = tl.where(m_row, tl.exp(b_gn - b_g), 0.0)
-        b_lam = tl.where(m_lt, tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     if JOINT:
-        b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0).to(DT)
+        # Aᵀ[j, i] = A[i, j], loaded transposed from memory; keep j ≤ i (A is unit lower triangular; FLA's
+        # buffer is not guaranteed zero above the diagonal of a tail chunk).
+        p_at = tl.make_block_ptr(A, (BT, T), (1, H * BT), (0, t0), (BT, BT), (0, 1))
+        b_at = tl.load(p_at, boundary_check=(0, 1))
+        b_at = tl.where(o_i[:, None] <= o_i[None, :], b_at, 0.0).to(DT)
 
     b_D = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates P Rᵀ (joint)
     b_H = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates dO Rᵀ
@@ -200,69 +217,73 @@ def rewy_bwd_kernel_consumer(
     b_frob = tl.zeros([BV], dtype=tl.float32)  # ⟨S0, dS1⟩_F, partial per value column
     b_tail = tl.zeros([BT], dtype=tl.float32)  # τ_j ⟨K_j, K̄_t,j⟩ for rows j < n
 
-    for i_k in tl.static_range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_rk = m_row[:, None] & m_k[None, :]
+    for i_k in tl.static_range(0, (K + BK - 1) // BK):
         b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ  (= −Ē_dir)
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_rv = m_row[:, None] & m_v[None, :]
-            p_v = tok[:, None] * V + o_v[None, :]
-            b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
-            b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
+        for i_v in range(0, (V + BV - 1) // BV):
+            p_r = tl.make_block_ptr(R, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+            p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+            b_r = tl.load(p_r, boundary_check=(0, 1)).to(DT)
+            b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
             if JOINT:
                 # P tile recomputed per K tile when K > BK: trades 2n²·BV FLOPs for no P round trip.
-                b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0).to(DT)
-                b_p = _mma(b_at, b_rb, PREC)
+                p_rb = tl.make_block_ptr(Rbar, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                b_p = _mma(b_at, tl.load(p_rb, boundary_check=(0, 1)).to(DT), PREC)
             else:
-                b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
+                p_p = tl.make_block_ptr(P + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                b_p = tl.load(p_p, boundary_check=(0, 1)).to(tl.float32)
             # S0ᵀ / dS1ᵀ tiles [BV, BK], loaded transposed from the [K, V] state.
-            p_s = s_off + o_k[None, :] * V + o_v[:, None]
-            m_s = m_v[:, None] & m_k[None, :]
-            b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
-            b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
+            p_s0t = tl.make_block_ptr(S0, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
+            p_ds1t = tl.make_block_ptr(dS1, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
+            b_s0t = tl.load(p_s0t, boundary_check=(0, 1))
+            b_ds1t = tl.load(p_ds1t, boundary_check=(0, 1))
             if i_k == 0:
-                b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_row[None, :], other=0.0)
+                p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
+                b_rt = tl.load(p_rt, boundary_check=(0, 1)).to(DT)
                 if JOINT:
-                    b_D += _mma(b_p.to(DT), b_rt.to(DT), PREC)
-                b_H += _mma(b_do.to(DT), b_rt.to(DT), PREC)
+                    b_D += _mma(b_p.to(DT), b_rt, PREC)
+                b_H += _mma(b_do, b_rt, PREC)
                 b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
-                b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
-                b_dwr += tl.sum(b_vv * b_p, axis=1)
-                tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
+                p_v = tl.make_block_ptr(v, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                b_dwr += tl.sum(tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_p, axis=1)
+                p_dv = tl.make_block_ptr(dv, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+                tl.store(p_dv, (b_w[:, None] * b_p).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
             if USE_G:
                 b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=1)
             b_pe += _mma(b_p.to(DT), b_s0t.to(DT), PREC)
-            b_qg += _mma(b_do.to(DT), b_s0t.to(DT), PREC)
-            b_kt += _mma(b_r.to(DT), b_ds1t.to(DT), PREC)
+            b_qg += _mma(b_do, b_s0t.to(DT), PREC)
+            b_kt += _mma(b_r, b_ds1t.to(DT), PREC)
 
         if i_k == 0:
+            # n×n masks and Λ are formed only here, after the V loop, to keep them out of its live registers.
+            m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]  # strict lower (self-term split)
             if JOINT:
                 b_D = tl.where(m_lt, -b_D, 0.0)
             else:
-                b_D = tl.load(D + tok[:, None] * BT + o_i[None, :], mask=m_lt, other=0.0).to(tl.float32)
+                p_d = tl.make_block_ptr(D + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
+                b_D = tl.where(m_lt, tl.load(p_d, boundary_check=(0, 1)).to(tl.float32), 0.0)
             # Γ_q = s H_< ⊙ Λ, Γ_r = D ⊙ Λ (the diagonal of H is added elementwise below)
             if USE_G:
+                b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
                 b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
-                b_gr = (b_D * b_lam).to(DT)
+                b_gr = tl.where(m_lt, b_D * b_lam, 0.0).to(DT)
             else:
                 b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
                 b_gr = b_D.to(DT)
 
-        b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
-        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
-        m_kr = m_k[:, None] & m_row[None, :]
-        b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
-        b_ktr = tl.load(k + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
+        p_q = tl.make_block_ptr(q, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        p_qt = tl.make_block_ptr(q, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
+        p_kt = tl.make_block_ptr(k, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_ktr = tl.load(p_kt, boundary_check=(0, 1))
         b_ekt = (b_ktr.to(tl.float32) * b_e[None, :]).to(DT)
         # Row side: A_Q = Γ_q K, A_K = Γ_r K.  Column side computed transposed: B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r.
         b_aq = _mma(b_gq, b_k.to(DT), PREC)
         b_ak = _mma(b_gr, b_k.to(DT), PREC)
-        b_bt = _mma(b_qt.to(DT), b_gq, PREC)
+        b_bt = _mma(tl.load(p_qt, boundary_check=(0, 1)).to(DT), b_gq, PREC)
         b_bt += _mma(b_ekt, b_gr, PREC)
 
         b_qf = b_q.to(tl.float32)
@@ -283,16 +304,20 @@ def rewy_bwd_kernel_consumer(
             b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
             b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
             b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
-        tl.store(dq + tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_rk)
+        p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
 
         # Column-side dk: store the [BK, C] tile transposed into row-major scratch, then read it back as rows.
         # This is the register transpose that FLA issue 640 miscompiles, done through memory instead.
-        tl.store(dk_col + tok[None, :] * K + o_k[:, None], b_bt, mask=m_kr)
+        p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
+        tl.store(p_ct, b_bt, boundary_check=(0, 1))
         if USE_G:
             b_gb_col += tl.sum(b_ktr.to(tl.float32) * b_bt, axis=0)
         tl.debug_barrier()
-        b_dkc = tl.load(dk_col + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
-        tl.store(dk + tok[:, None] * K + o_k[None, :], (b_dkr + b_dkc).to(dk.dtype.element_ty), mask=m_rk)
+        p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        b_dkc = tl.load(p_c, boundary_check=(0, 1))
+        p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        tl.store(p_dk, (b_dkr + b_dkc).to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
     tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
     tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
