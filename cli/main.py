@@ -174,7 +174,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="interface to listen on (localhost only by default)"),
     port: int = typer.Option(8000, min=1, max=65535),
 ) -> None:
-    """Serve the read-only dashboard and its JSON API (/api, OpenAPI at /docs)."""
+    """Serve the read-only dashboard and its JSON API (/api; schema at /openapi.json)."""
     from rewy_tune.cli.serve import run_serve
 
     run_serve(db, host, port, console)
