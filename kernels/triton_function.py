@@ -44,7 +44,7 @@ def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, out
         from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
 
         g_log2 = None
-        w, u, A = prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=chunk_size)
+        w, u, A = prepare_wy_repr_fwd(k=k, v=v, beta=beta, cu_seqlens=None, chunk_size=chunk_size)
     else:
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum

@@ -48,7 +48,7 @@ class FlaSaveAll(torch.autograd.Function):
         if g is None:
             from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
 
-            w, u, A = prepare_wy_repr_fwd(k=k, v=v, beta=beta)
+            w, u, A = prepare_wy_repr_fwd(k=k, v=v, beta=beta, cu_seqlens=None)
             g_cum = None
         else:
             from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra

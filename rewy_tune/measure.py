@@ -112,21 +112,24 @@ class _Side:
         return torch.autograd.grad(self.o, self.leaves, self.do, retain_graph=True)
 
     def capture(self):
-        """Warm up on a side stream (compiles, autotunes), then capture backward and fwd+bwd graphs."""
+        """Warm up (compiles, autotunes), then capture backward and fwd+bwd graphs.
+
+        Everything runs on one side stream: autograd replays each backward op on the stream of its
+        forward op, so a forward on the legacy default stream would make the capture depend on it.
+        """
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
                 self.forward()
                 self.backward()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        self.forward()
+            self.forward()
+        stream.synchronize()
         self.bwd_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd_graph):
+        with torch.cuda.graph(self.bwd_graph, stream=stream):
             self.backward()
         self.fb_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fb_graph):
+        with torch.cuda.graph(self.fb_graph, stream=stream):
             o = self._call(self.leaves)
             torch.autograd.grad(o, self.leaves, self.do)
         torch.cuda.synchronize()
