@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 tests_s=${1:-240}; ops=${2:-"deltanet gdn"}; policies=${3:-"R A"}; shift 3 || true
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 if [ "$tests_s" -gt 0 ]; then
-  timeout "$tests_s" python3 -P -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}" > "$OUT/gpu-tests.log" 2>&1
+  timeout "$tests_s" python3 -P -m pytest -q -m gpu --maxfail=3 --tb=short -p no:cacheprovider "${@:-tests}" > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.log" | tail -25
 fi
 for op in $ops; do for pol in $policies; do
