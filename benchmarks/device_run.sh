@@ -7,7 +7,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 REWY_TEST_NO_INTERPRET=1
 rm -rf build ./*.egg-info  # a stale build/ from an earlier call would be installed instead of the source
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 || exit 4
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 || exit 4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 tests_s=${1:-240}; ops=${2:-"deltanet gdn"}; policies=${3:-"R A"}; shift 3 || true
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
