@@ -123,8 +123,9 @@ def rewy_bwd_kernel_producer(
     tok = (i_b * T + rows) * H + i_h
     DT = R.dtype.element_ty
     m_cc = m_row[:, None] & m_row[None, :]
-    # Aᵀ[j, i] = A[i, j], loaded transposed from memory.
-    b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0).to(DT)
+    # Aᵀ[j, i] = A[i, j] for j ≤ i only (A is unit lower triangular; do not trust the buffer above it).
+    b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc & (o_i[:, None] <= o_i[None, :]),
+                   other=0.0).to(DT)
     b_d = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in tl.static_range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
