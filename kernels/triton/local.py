@@ -65,13 +65,14 @@ def rewy_bwd_kernel_dv_local(
     DT = k.dtype.element_ty
 
     # A_qkᵀ[j, i] = s Σ_f k_jf q_if Λ_ij, formed directly as K Qᵀ with Qᵀ loaded transposed (no tl.trans).
+    # Block pointers keep per-element 64-bit addresses out of registers.
+    t0 = i_t * BT
+    bos = (i_b * T * H + i_h).to(tl.int64)
     b_at = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in tl.static_range(0, (K + BK - 1) // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
-        b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
-        b_at += _mma(b_k, b_qt, PREC)
+    for i_k in range(0, (K + BK - 1) // BK):
+        p_k = tl.make_block_ptr(k + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        p_qt = tl.make_block_ptr(q + bos * K, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
+        b_at += _mma(tl.load(p_k, boundary_check=(0, 1)), tl.load(p_qt, boundary_check=(0, 1)), PREC)
     # row index j, column index i; keep i ≥ j (mask before exponentiating)
     m_at = (o_i[:, None] <= o_i[None, :]) & m_row[:, None] & m_row[None, :]
     if USE_G:
@@ -81,13 +82,11 @@ def rewy_bwd_kernel_dv_local(
     else:
         b_at = tl.where(m_at, b_at * scale, 0.0)
     b_at = b_at.to(DT)
-    for i_v in tl.static_range(0, (V + BV - 1) // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = m_row[:, None] & (o_v < V)[None, :]
-        p_v = tok[:, None] * V + o_v[None, :]
-        b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(DT)
-        b_dv = _mma(b_at, b_do, PREC)
-        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+    for i_v in range(0, (V + BV - 1) // BV):
+        p_do = tl.make_block_ptr(do + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        p_dv = tl.make_block_ptr(dv + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        b_dv = _mma(b_at, tl.load(p_do, boundary_check=(0, 1)).to(DT), PREC)
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
 
 def dv_local(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
@@ -122,22 +121,24 @@ def rewy_bwd_kernel_producer(
     m_row = rows < T
     tok = (i_b * T + rows) * H + i_h
     DT = R.dtype.element_ty
-    m_cc = m_row[:, None] & m_row[None, :]
-    # Aᵀ[j, i] = A[i, j] for j ≤ i only (A is unit lower triangular; do not trust the buffer above it).
-    b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc & (o_i[:, None] <= o_i[None, :]),
-                   other=0.0).to(DT)
+    t0 = i_t * BT
+    bos = (i_b * T * H + i_h).to(tl.int64)
+    # Aᵀ[j, i] = A[i, j], loaded transposed from memory, for j ≤ i only (A is unit lower triangular; do not
+    # trust the buffer above it).
+    p_at = tl.make_block_ptr(A + bos * BT, (BT, T), (1, H * BT), (0, t0), (BT, BT), (0, 1))
+    b_at = tl.where(o_i[:, None] <= o_i[None, :], tl.load(p_at, boundary_check=(0, 1)), 0.0).to(DT)
     b_d = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in tl.static_range(0, (V + BV - 1) // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = m_row[:, None] & (o_v < V)[None, :]
-        p_v = tok[:, None] * V + o_v[None, :]
-        b_rb = tl.load(Rbar + p_v, mask=m_v, other=0.0).to(DT)
-        b_p = _mma(b_at, b_rb, PREC)
-        tl.store(P + p_v, b_p.to(P.dtype.element_ty), mask=m_v)
-        b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=(o_v < V)[:, None] & m_row[None, :], other=0.0)
-        b_d += _mma(b_p.to(DT), b_rt.to(DT), PREC)
-    b_d = tl.where((o_i[:, None] > o_i[None, :]) & m_cc, -b_d, 0.0)
-    tl.store(D + tok[:, None] * BT + o_i[None, :], b_d.to(D.dtype.element_ty), mask=m_row[:, None])
+    for i_v in range(0, (V + BV - 1) // BV):
+        p_rb = tl.make_block_ptr(Rbar + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        p_p = tl.make_block_ptr(P + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        p_rt = tl.make_block_ptr(R + bos * V, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
+        b_p = _mma(b_at, tl.load(p_rb, boundary_check=(0, 1)).to(DT), PREC)
+        tl.store(p_p, b_p.to(p_p.dtype.element_ty), boundary_check=(0, 1))
+        b_d += _mma(b_p.to(DT), tl.load(p_rt, boundary_check=(0, 1)).to(DT), PREC)
+    m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
+    b_d = tl.where(m_lt, -b_d, 0.0)
+    p_d = tl.make_block_ptr(D + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
+    tl.store(p_d, b_d.to(p_d.dtype.element_ty), boundary_check=(0, 1))
 
 
 def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
@@ -277,48 +278,53 @@ def rewy_bwd_kernel_consumer(
         p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         p_qt = tl.make_block_ptr(q, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
         p_kt = tl.make_block_ptr(k, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
-        b_q = tl.load(p_q, boundary_check=(0, 1))
-        b_k = tl.load(p_k, boundary_check=(0, 1))
+        # Ordered to keep few [C, BK] tiles live at once: column side first (to scratch), then dq, then dk rows.
+        # Column side, computed transposed: B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r, stored transposed into row-major
+        # scratch and read back as rows after a CTA barrier: the register transpose that FLA issue 640
+        # miscompiles, done through memory instead.
         b_ktr = tl.load(p_kt, boundary_check=(0, 1))
-        b_ekt = (b_ktr.to(tl.float32) * b_e[None, :]).to(DT)
-        # Row side: A_Q = Γ_q K, A_K = Γ_r K.  Column side computed transposed: B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r.
-        b_aq = _mma(b_gq, b_k.to(DT), PREC)
-        b_ak = _mma(b_gr, b_k.to(DT), PREC)
         b_bt = _mma(tl.load(p_qt, boundary_check=(0, 1)).to(DT), b_gq, PREC)
-        b_bt += _mma(b_ekt, b_gr, PREC)
+        b_bt += _mma((b_ktr.to(tl.float32) * b_e[None, :]).to(DT), b_gr, PREC)
+        p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
+        tl.store(p_ct, b_bt, boundary_check=(0, 1))
+        if USE_G:
+            b_gb_col += tl.sum(b_ktr.to(tl.float32) * b_bt, axis=0)
 
-        b_qf = b_q.to(tl.float32)
+        # dq = s γ Q̄_g + A_Q (+ self term), A_Q = Γ_q K
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
         b_kf = b_k.to(tl.float32)
-        b_edir = -b_pe
+        b_qf = b_q.to(tl.float32)
+        b_aq = _mma(b_gq, b_k.to(DT), PREC)
         if USE_G:
             b_dq = (scale * b_gamma)[:, None] * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+            b_gb += scale * b_gamma * tl.sum(b_qf * b_qg, axis=1) + tl.sum(b_qf * b_aq, axis=1)
+        else:
+            b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+        p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
+
+        # dk rows = e γ Ē_dir + e A_K + τ K̄_t (+ self term), A_K = Γ_r K, Ē_dir = −P S0ᵀ
+        b_ak = _mma(b_gr, b_k.to(DT), PREC)
+        b_edir = -b_pe
+        if USE_G:
             b_ke = tl.sum(b_kf * b_edir, axis=1)
             b_kak = tl.sum(b_kf * b_ak, axis=1)
             b_kkt = tl.sum(b_kf * b_kt, axis=1)
             b_dkr = ((b_e * b_gamma)[:, None] * b_edir + b_e[:, None] * b_ak + b_tau[:, None] * b_kt
                      + (scale * b_hd)[:, None] * b_qf)
             b_der += b_gamma * b_ke + b_kak
-            b_gb += (scale * b_gamma * tl.sum(b_qf * b_qg, axis=1) + tl.sum(b_qf * b_aq, axis=1)
-                     + b_e * b_gamma * b_ke + b_e * b_kak)
+            b_gb += b_e * b_gamma * b_ke + b_e * b_kak
             b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
         else:
-            b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
             b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
             b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
-        p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
 
-        # Column-side dk: store the [BK, C] tile transposed into row-major scratch, then read it back as rows.
-        # This is the register transpose that FLA issue 640 miscompiles, done through memory instead.
-        p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
-        tl.store(p_ct, b_bt, boundary_check=(0, 1))
-        if USE_G:
-            b_gb_col += tl.sum(b_ktr.to(tl.float32) * b_bt, axis=0)
         tl.debug_barrier()
         p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-        b_dkc = tl.load(p_c, boundary_check=(0, 1))
+        b_dkr += tl.load(p_c, boundary_check=(0, 1))
         p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-        tl.store(p_dk, (b_dkr + b_dkc).to(p_dk.dtype.element_ty), boundary_check=(0, 1))
+        tl.store(p_dk, b_dkr.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
     tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
     tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
