@@ -215,9 +215,11 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     if compute_capability is not None and tuple(compute_capability) == (9, 0):
         return Schedule(
             recompute=StageConfig(bk, bv, 4, 2),
-            forward_scan=StageConfig(kk, min(bv, 64 if kk <= 128 else 32), 4, 2 if kk <= 128 else 1),
+            # Scans: 16-wide value tiles (4x the programs of BV=64) measured fastest on the H200 at K=V=128:
+            # GDN (1,8192,4) backward 0.976 -> 0.728 ms (benchmarks/RESULTS.md, stage sweep).
+            forward_scan=StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
             dv_local=StageConfig(min(128, kk), min(128, max(16, _pow2_ceil(V))), 4, 2),
-            reverse_scan=StageConfig(kk, min(bv, 64 if kk <= 128 else 32), 4, 2 if kk <= 128 else 1),
+            reverse_scan=StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
             producer=StageConfig(64, bv, 4, 2),
             consumer_cfg=StageConfig(bk, bv, 8, 2),
             cumsum=StageConfig(64, 64, 4, 1),
