@@ -180,6 +180,16 @@ def serve(
     run_serve(db, host, port, console)
 
 
+@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run_cmd(
+    command: Optional[list[str]] = typer.Argument(None, help="the command, after --: rewy-tune run -- python train.py"),
+) -> None:
+    """Run a command with fla-core's chunk ops routed through ReWY; print the dispatch report at exit."""
+    from rewy_tune.cli.run import run_command
+
+    raise typer.Exit(code=run_command(list(command or [])))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     app(args=argv)
 

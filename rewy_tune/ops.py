@@ -60,6 +60,13 @@ def _apply(op, q, k, v, g, erase, write, *, scale, initial_state, output_final_s
                                        output_final_state)
     from rewy_tune.kernels.triton_function import run_triton_op
 
+    if schedule is None and q.is_cuda:  # tuned schedule from the winners database (rewy_tune.dispatch)
+        from rewy_tune.device import current_device
+        from rewy_tune.dispatch import lookup, problem_for_call
+
+        problem = problem_for_call(op, q, v, policy, initial_state)
+        if problem is not None:
+            schedule = lookup(problem, current_device(q.device.index))[0]
     return run_triton_op(op, q, k, v, g, erase, write, initial_state=initial_state, scale=scale,
                          policy=policy, output_final_state=output_final_state, schedule=schedule)
 
