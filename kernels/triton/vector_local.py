@@ -205,7 +205,40 @@ def rewy_bwd_kernel_consumer_vector(
     b_dwr = tl.zeros([BT], dtype=tl.float32)  # KDA write path of β: ⟨V_i, P_i⟩
     b_der = tl.zeros([BT], dtype=tl.float32)  # KDA erase path of β
 
-    for i_k in tl.static_range(0, NK):
+    # Phase 1, once per chunk: H = dO Rᵀ (and D = −P Rᵀ when joint), the self terms, dv and the write path.
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_rv = m_row[:, None] & m_v[None, :]
+        p_v = tok[:, None] * V + o_v[None, :]
+        b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
+        if JOINT:
+            b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
+            b_p = mm(b_at.to(DT), b_rb.to(DT), PREC)
+        else:
+            b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
+        b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_row[None, :], other=0.0)
+        if JOINT:
+            b_D += mm(b_p.to(DT), b_rt.to(DT), PREC)
+        b_H += mm(b_do.to(DT), b_rt.to(DT), PREC)
+        b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
+        b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
+        if WRITE_VEC:
+            b_wv = tl.load(write + p_v, mask=m_rv, other=0.0).to(tl.float32)
+            tl.store(dv + p_v, (b_wv * b_p).to(dv.dtype.element_ty), mask=m_rv)
+            tl.store(dwrite + p_v, (b_vv * b_p).to(dwrite.dtype.element_ty), mask=m_rv)
+        else:
+            b_dwr += tl.sum(b_vv * b_p, axis=1)
+            tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
+    if JOINT:
+        b_D = tl.where(m_lt, -b_D, 0.0)
+    else:
+        b_D = tl.load(D + tok[:, None] * BT + o_i[None, :], mask=m_lt, other=0.0).to(tl.float32)
+    b_H = tl.where(m_lt, b_H, 0.0)  # H_<: the diagonal enters elementwise (self-term split)
+
+    # Phase 2, per feature tile (a run-time loop: one copy of the large body, whatever K / BK).
+    for i_k in range(0, NK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_rk = m_row[:, None] & m_k[None, :]
@@ -224,7 +257,7 @@ def rewy_bwd_kernel_consumer_vector(
             b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
             b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
             if JOINT:
-                # P tile recomputed per K tile when K > BK: 2n²·BV FLOPs instead of a P round trip.
+                # P tile recomputed per feature tile: 2n²·BV FLOPs instead of a P round trip through memory.
                 b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
                 b_p = mm(b_at.to(DT), b_rb.to(DT), PREC)
             else:
@@ -233,31 +266,10 @@ def rewy_bwd_kernel_consumer_vector(
             m_s = m_v[:, None] & m_k[None, :]
             b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
             b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
-            if i_k == 0:
-                b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_row[None, :], other=0.0)
-                if JOINT:
-                    b_D += mm(b_p.to(DT), b_rt.to(DT), PREC)
-                b_H += mm(b_do.to(DT), b_rt.to(DT), PREC)
-                b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
-                b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
-                if WRITE_VEC:
-                    b_wv = tl.load(write + p_v, mask=m_rv, other=0.0).to(tl.float32)
-                    tl.store(dv + p_v, (b_wv * b_p).to(dv.dtype.element_ty), mask=m_rv)
-                    tl.store(dwrite + p_v, (b_vv * b_p).to(dwrite.dtype.element_ty), mask=m_rv)
-                else:
-                    b_dwr += tl.sum(b_vv * b_p, axis=1)
-                    tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
             b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=0)
             b_pe += mm(b_p.to(DT), b_s0t.to(DT), PREC)
             b_qg += mm(b_do.to(DT), b_s0t.to(DT), PREC)
             b_kt += mm(b_r.to(DT), b_ds1t.to(DT), PREC)
-
-        if i_k == 0:
-            if JOINT:
-                b_D = tl.where(m_lt, -b_D, 0.0)
-            else:
-                b_D = tl.load(D + tok[:, None] * BT + o_i[None, :], mask=m_lt, other=0.0).to(tl.float32)
-            b_H = tl.where(m_lt, b_H, 0.0)  # H_<: the diagonal enters elementwise (self-term split)
 
         # ---- elementwise factors of this feature tile (row layout [BT, BK] and transposed [BK, BT])
         b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
