@@ -157,3 +157,36 @@ def test_run_command_prints_report_and_returns_exit_code(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "rewy-tune dispatch report" in proc.stderr
     assert not (tmp_path / "none.db").exists()
+
+
+def test_routed_call_runs_rewy_and_is_reported(monkeypatch, tmp_path):
+    """The routing itself (CUDA in real use) on the Triton interpreter: same output and gradients as the
+    torch reference, and one routed row in the report."""
+    import os
+    import warnings
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter or a GPU")
+    monkeypatch.setenv("REWY_DB", str(tmp_path / "none.db"))
+    rewy_tune.clear_cache()
+    rewy_tune.reset_report()
+    torch.manual_seed(0)
+    B, T, H, K, V = 1, 64, 1, 16, 16
+    q = torch.randn(B, T, H, K, requires_grad=True)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1).requires_grad_()
+    v = torch.randn(B, T, H, V, requires_grad=True)
+    beta = torch.rand(B, T, H, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o, _ = fla_patch._route("deltanet", dict(q=q, k=k, v=v, beta=beta))
+    grads = torch.autograd.grad(o.square().sum(), (q, k, v, beta))
+    ref, _ = rewy_tune.chunk_deltanet(q, k, v, beta, backend="torch")
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, beta))
+    torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-4)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    rows = rewy_tune.report()["routed"]
+    assert len(rows) == 1 and rows[0]["op"] == "deltanet" and rows[0]["calls"] == 1
+    assert rows[0]["bucket"] == "deltanet-R-fp32-K16-V16-T64-BH1" and rows[0]["reason"].startswith("generic:")
+    rewy_tune.reset_report()
+    rewy_tune.clear_cache()
