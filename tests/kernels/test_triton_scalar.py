@@ -202,15 +202,25 @@ def test_each_field_one_at_a_time(field):
     assert_gates(run_triton(x, changed), ref, ctx=f"{field} changed")
 
 
+# bf16 inputs are held to the project gate (0.8 % / 2 %), never a looser bound. Measured in the interpreter at
+# K = V = 128, T = 256, gates logsigmoid(N(0,1)): DeltaNet dk 1.5 %, dv 1.1 %, d_erase 1.7–2.0 %; GDN dk 0.8 %,
+# dv 1.0 %, d_erase 1.7 % — over the gate, while FLA's bf16 GDN backward stays near 0.5 % (fla_h200_baseline.json).
+# Open defect of issue 3 (bf16 storage of W, R, R̄ and the products that read them): these tests are expected
+# to fail until it is fixed, and must then pass unchanged.
+BF16_ORDINARY, BF16_GATE = ORDINARY, GATE
+BF16_OPEN = pytest.mark.xfail(strict=False, reason="open defect (issue 3): bf16 inputs exceed the 0.8 % gate")
+
+
+@BF16_OPEN
 def test_bf16_inputs_run():
-    # bf16 storage of q/k/v/A: only finiteness and a loose sanity bound here (the gates are for fp32 on CPU).
+    # bf16 inputs at a small shape, held to the project gate (see BF16_OPEN for the larger shapes).
     x = make_inputs("gdn", 1, 64, 1, 32, 32, dtype=torch.bfloat16, seed=17)
     out = run_triton(x, BASE)
     assert out["dq"].dtype == torch.bfloat16 and out["dg"].dtype == torch.float32 and out["dh0"].dtype == torch.float32
     ref = oracle(x)
     for n in NAMES:
         assert torch.isfinite(out[n].float()).all()
-        assert rel_rms(out[n], ref[n]) < 0.05, n
+        assert rel_rms(out[n], ref[n]) <= (GATE if n in GATE_LIKE else ORDINARY), n
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -270,13 +280,6 @@ def _gpu_default():
     return default_schedule(torch.cuda.get_device_capability())
 
 
-# bf16 inputs: R, R̄, W, A and the outputs are stored in bf16 (as in FLA), which bounds the accuracy against the
-# fp64 oracle above the fp32 gates. Measured in the interpreter at K = V = 128, T = 256, gates logsigmoid(N(0,1)):
-# DeltaNet dk 1.5 %, dv 1.1 %, d_erase 1.7–2.0 %; GDN dk 0.8 %, dv 1.0 %, d_erase 1.7 %. These bounds are a bf16
-# sanity check, not the project gate (which is asserted on fp32 inputs below); the lead decides the bf16 gate.
-BF16_ORDINARY, BF16_GATE = 0.025, 0.04
-
-
 def assert_bf16(out, ref, ctx):
     for n in NAMES:
         if ref[n] is None:
@@ -287,6 +290,7 @@ def assert_bf16(out, ref, ctx):
 
 
 @pytest.mark.gpu
+@BF16_OPEN
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
 def test_gpu_bench_shapes_bf16(op, B, T, H):
@@ -308,6 +312,7 @@ def test_gpu_fp32_gate(op, B, T, H, policy):
 
 
 @pytest.mark.gpu
+@BF16_OPEN
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("KV", [64, 256])
 def test_gpu_head_dims(op, KV):
@@ -425,10 +430,11 @@ def test_autograd_function_cpu(op, policy):
 
 
 @pytest.mark.gpu
+@BF16_OPEN
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_autograd_function_gpu(op, policy):
-    # FLA forward (bf16 A, h, v_new) + ReWY backward; bf16 sanity bounds (see BF16_ORDINARY).
+    # FLA forward (bf16 A, h, v_new) + ReWY backward, held to the project gate (see BF16_OPEN).
     x = make_inputs(op, 2, 1000, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=23, gate_div=1.0)
     got = _function_grads(x, policy, None)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
