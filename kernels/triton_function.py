@@ -25,7 +25,7 @@ import torch
 from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule
 
-SUPPORTED_OPS = ("deltanet", "gdn")
+SUPPORTED_OPS = ("deltanet", "gdn", "kda", "gdn2")
 
 
 def default_schedule_for(q: torch.Tensor, K: int, V: int) -> Schedule:
@@ -33,6 +33,26 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int) -> Schedule:
 
     cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     return default_schedule(cc, K=K, V=V)
+
+
+def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state):
+    """KDA (erase is write, [B,T,H]) / GDN2 (b [B,T,H,K], w [B,T,H,V]) through fla-core's chunk_kda_fwd /
+    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new); policy A uses their
+    disable_recompute path, which keeps h and v_new (policy R: None, None)."""
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  chunk_size=chunk_size, disable_recompute=policy == "A")
+    if erase.dim() == 3:
+        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+
+        out = chunk_kda_fwd(q=q, k=k, v=v, g=g, beta=erase, **common)
+    else:
+        from fla.ops.gdn2.chunk_fwd import chunk_gdn2_fwd
+
+        out = chunk_gdn2_fwd(q=q, k=k, v=v, g=g, b=erase, w_gate=write, **common)
+    o, final_state, Akk, v_new, h = out[0], out[1], out[4], out[9], out[10]
+    if policy == "A":
+        return o, final_state, Akk, h, v_new
+    return o, final_state, Akk, None, None
 
 
 def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, output_final_state):
@@ -75,8 +95,8 @@ class RewyTritonFunction(torch.autograd.Function):
                 schedule=None):
         if policy not in ("R", "A"):
             raise ValueError(f"policy must be 'R' or 'A', got {policy!r}")
-        if g is not None and g.dim() != 3:
-            raise ValueError(f"g must be None (DeltaNet) or [B,T,H] (GDN) for the Triton backward, got "
+        if g is not None and g.dim() not in (3, 4):
+            raise ValueError(f"g must be None (DeltaNet), [B,T,H] (GDN) or [B,T,H,K] (KDA/GDN2), got "
                              f"{tuple(g.shape)}")
         K, V = q.shape[-1], v.shape[-1]
         schedule = schedule if schedule is not None else default_schedule_for(q, K, V)
@@ -88,7 +108,13 @@ class RewyTritonFunction(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         erase, write = erase.contiguous(), write.contiguous()
         g = g.contiguous() if g is not None else None
-        if q.is_cuda:
+        if q.is_cuda and g is not None and g.dim() == 4:
+            if erase.dim() == 3 and erase.data_ptr() != write.data_ptr():
+                raise ValueError("on CUDA, KDA takes one β: pass the same tensor as erase and write")
+            h0 = initial_state.float().contiguous() if initial_state is not None else None
+            o, final_state, A, S0, R = _fla_forward_vector(q, k, v, g, erase, write, h0, scale, chunk_size,
+                                                           policy, output_final_state)
+        elif q.is_cuda:
             if erase.data_ptr() != write.data_ptr() or erase.shape != write.shape:
                 raise ValueError("on CUDA, DeltaNet/GDN take one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None

@@ -99,7 +99,14 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     Returns (dq, dk, dv, dg, d_erase, d_write, dh0): dq, dk, dv in q's dtype; dg in g's dtype (None without a
     gate); d_erase, d_write in erase's / write's dtypes (the erase and write paths of β, returned apart);
     dh0 fp32 (None without an initial state).
+
+    Vector gates (g [B,T,H,K]: KDA, GDN2) go to ``vector_local.rewy_backward_triton_vector`` (same contract).
     """
+    if isinstance(g, torch.Tensor) and g.dim() == 4 and g.shape == q.shape:
+        from .vector_local import rewy_backward_triton_vector
+
+        return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
+                                           initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G)
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
     erase, write = erase.contiguous(), write.contiguous()
