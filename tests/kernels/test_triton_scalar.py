@@ -241,7 +241,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="share one dtype"):
         call(k=x["k"].half())
     with pytest.raises(ValueError, match="scalar gate"):
-        call(g=torch.zeros(1, 64, 1, 32))
+        call(g=torch.zeros(1, 64, 1, 7))
     with pytest.raises(ValueError, match="per-token scalar"):
         call(erase=torch.zeros(1, 64, 1, 32))
     with pytest.raises(TypeError, match="Schedule"):
