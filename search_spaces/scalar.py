@@ -144,6 +144,19 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     return est
 
 
+# Value tile of the scans' segment-combine kernel (kernels/triton/scan.py COMBINE_BV; fixed, not a schedule knob).
+COMBINE_BV = 16
+
+
+def combine_shared_memory(K: int) -> int:
+    """Shared-memory bytes of the segment-combine kernel that every num_segments > 1 launches: fp32 [KB, KB]
+    block of the transfer matrix plus the [KB, 16] state block and its dot-operand copy, one stage, KB = min(64,
+    K rounded up to a power of two) (kernels/triton/scan.py combine_shared_memory; sm_90 K = 128: 24 576 B).
+    Before the combine kernel was tiled it held the whole K×K matrix, 245 760 B at K = 128 on the H200."""
+    KB = min(64, max(16, _pow2_ceil(K)))
+    return (KB * KB + 2 * KB * COMBINE_BV) * 4
+
+
 def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
     """Live fp32 accumulator values per thread (rough)."""
     C = schedule.chunk_size
@@ -196,6 +209,11 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     for stage, need in shared_memory_estimate(schedule, K, V, e).items():
         if need > smem_limit:
             reasons.append(f"{stage}: shared memory estimate {need} B > device limit {smem_limit} B")
+    for name in ("forward_scan_segments", "reverse_scan_segments"):
+        nseg = getattr(schedule, name)
+        if nseg > 1 and combine_shared_memory(K) > smem_limit:
+            reasons.append(f"{name}={nseg}: segment-combine kernel shared memory {combine_shared_memory(K)} B > "
+                           f"device limit {smem_limit} B")
     for stage, regs in register_estimate(schedule, K, V).items():
         if regs > MAX_ACC_PER_THREAD:
             reasons.append(f"{stage}: ~{regs:.0f} live fp32 accumulator values per thread > {MAX_ACC_PER_THREAD} "

@@ -22,6 +22,29 @@ storing the outputs. Latency ≈ 2·NT/NS chunk steps + NS small steps instead o
 the scan's FLOPs. Exact in exact arithmetic; in floating point it re-associates the state recursion
 (Ψ_s products are contractions for |β k|² ≤ 2 and g ≤ 0, so errors do not grow).
 
+State blocks. The K rows of the state tile are held as NB register blocks of KB = min(64, K) rows (K ≤ 64: one,
+≤ 128: two, ≤ 256: four), so every per-step product is a [BT, KB] × [KB, BV] or [KB, BT] × [BT, BV] tile with
+input-dtype operands and fp32 accumulation (tl.dot with the accumulator passed in). The scalar gate scales the
+[BT, BV] rows (R, K dS, dO) instead of the [K, BT] operands: K_tᵀR = Kᵀ(diag(exp(G_n − G)) R), K_t dS =
+diag(exp(G_n − G)) K dS, Q_gᵀdO = Qᵀ diag(s·exp(G)) dO — the same products up to rounding.
+
+Compile report (ahead-of-time sm_90a, Triton 3.6 + its ptxas, bf16 inputs, K = V = 128, BT = 64, scalar gate,
+4 warps, 2 stages; registers/spill-store bytes/shared bytes; per-chunk state storage fp32 | bf16; not a speed
+measurement, only the H200 can give that):
+
+    kernel      BV   before (one 128-row tile)            after (two 64-row register blocks)
+    fwd scan    16   255 / 0    / 20 740 | 255 / 0    / 22 788     255 / 0   / 10 500 | 255 / 0   / 10 500
+    fwd scan    32   255 / 0    / 24 836 | 255 / 0    / 28 932     254 / 0   / 12 548 | 254 / 0   / 12 548
+    fwd scan    64   255 / 780  / 33 028 | 255 / 744  / 41 220     255 / 0   / 16 644 | 255 / 0   / 16 644
+    bwd scan    16   255 / 640  / 41 476 | 255 / 580  / 41 476     255 / 0   / 20 996 | 255 / 0   / 20 996
+    bwd scan    32   255 / 968  / 49 668 | 255 / 944  / 49 668     255 / 0   / 25 092 | 255 / 4   / 25 092
+    bwd scan    64   255 / 1696 / 66 052 | 255 / 1528 / 66 052     255 / 300 / 33 284 | 255 / 156 / 33 284
+    combine  NS=4    BV 64: 255 / 112 / 196 608 (4 warps; 245 760 B at the launcher's default 3 stages on the
+                     H200)                                         BV 16, 1 stage: 71-123 / 0 / 24 576 (NS 2-8)
+All variants use wgmma (16 per fwd step, 24 per bwd step in the PTX). Open: the reverse scan still spills at
+BV = 64 (and 4 B at BV = 32 with bf16 state storage); BV = 16 (the sm_90 default) and the forward scan are
+spill-free. Block pointers (tl.make_block_ptr) for the tiles were tried and spilled more (fwd BV 64: 184 B).
+
 Transposed operands (K_tᵀ, Wᵀ, Q_gᵀ) are loaded transposed from memory, never made with tl.trans in
 registers (Triton 3.6 on Hopper miscompiles tl.trans of wgmma-layout values; FLA issue 640).
 """
@@ -35,74 +58,192 @@ import triton.language as tl
 from .recompute import dot_precision, mm, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
 
+@triton.jit
+def _mma(a, b, acc, PREC: tl.constexpr):
+    """acc + a @ b with fp32 accumulation (PREC from dot_precision; "upcast" widens 16-bit operands)."""
+    if PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _state_block_init(h_in, off, cols, is_bias, i_kb: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      VP: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, PHASE: tl.constexpr,
+                      USE_IN: tl.constexpr):
+    # Rows [i_kb·KB, i_kb·KB + KB) of the entering state (PHASE 0) or of the augmented identity (PHASE 1).
+    o_k = i_kb * KB + tl.arange(0, KB)
+    if PHASE == 0:
+        if USE_IN:
+            b = tl.load(h_in + off + o_k[:, None] * V + cols[None, :], mask=(o_k < K)[:, None] & is_bias[None, :],
+                        other=0.0).to(tl.float32)
+        else:
+            b = tl.zeros([KB, BV], dtype=tl.float32)
+    else:
+        id_col = cols - VP
+        is_id = (cols >= VP) & (id_col < K)
+        b = tl.where(is_id[None, :] & (o_k[:, None] == id_col[None, :]), 1.0, 0.0).to(tl.float32)
+    return b
+
+
+@triton.jit
+def _state_block_store(p, b, cols, m_col, ld: tl.constexpr, i_kb: tl.constexpr, K: tl.constexpr,
+                       KB: tl.constexpr):
+    o_k = i_kb * KB + tl.arange(0, KB)
+    tl.store(p + o_k[:, None] * ld + cols[None, :], b.to(p.dtype.element_ty),
+             mask=(o_k < K)[:, None] & m_col[None, :])
+
+
+@triton.jit
+def _fwd_w_dot(acc, W, tok, m_row, b_s, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+               PREC: tl.constexpr):
+    # acc − W[:, block] · S[block]   (the state's negation is exact in any dtype)
+    o_k = i_kb * KB + tl.arange(0, KB)
+    b_w = tl.load(W + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & (o_k < K)[None, :], other=0.0)
+    return _mma(b_w, (-b_s).to(W.dtype.element_ty), acc, PREC)
+
+
+@triton.jit
+def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, i_kb: tl.constexpr, K: tl.constexpr,
+                      KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+    # S[block] ← Γ_n S[block] + K_t[:, block]ᵀ R, with K_tᵀ loaded transposed ([KB, BT]) from memory.
+    # Scalar gate: b_rd already carries the row decay exp(G_n − G), b_egl = exp(G_n).
+    o_k = i_kb * KB + tl.arange(0, KB)
+    m_k = o_k < K
+    m_kr = m_k[:, None] & m_row[None, :]
+    b_ktt = tl.load(k + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
+    if GATE == 1:
+        b_s = b_s * b_egl
+    elif GATE == 2:
+        b_g = tl.load(G + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
+        b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
+        b_ktt = (b_ktt.to(tl.float32) * tl.where(m_kr, tl.exp(b_gl[:, None] - b_g), 0.0)).to(k.dtype.element_ty)
+        b_s = b_s * tl.exp(b_gl)[:, None]
+    return _mma(b_ktt, b_rd, b_s, PREC)
+
+
+@triton.jit
+def _bwd_k_dot(acc, k, G, tok, tok_last, m_row, b_ds, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+               GATE: tl.constexpr, PREC: tl.constexpr):
+    # acc + K[:, block] · dS[block]; vector gate: K_t = K ⊙ exp(G_n − G) per element (scalar gate: the caller
+    # scales the rows of the sum instead).
+    o_k = i_kb * KB + tl.arange(0, KB)
+    m_k = o_k < K
+    m_rk = m_row[:, None] & m_k[None, :]
+    b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+    if GATE == 2:
+        b_g = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = (b_k.to(tl.float32) * tl.where(m_rk, tl.exp(b_gl[None, :] - b_g), 0.0)).to(k.dtype.element_ty)
+    return _mma(b_k, b_ds.to(k.dtype.element_ty), acc, PREC)
+
+
+@triton.jit
+def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, i_kb: tl.constexpr,
+                      K: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+    # dS[block] ← Γ_n dS[block] + Q_g[:, block]ᵀ dO − W[:, block]ᵀ R̄, Q_gᵀ and Wᵀ loaded transposed.
+    # b_dod: dO (scalar gate / no gate: rows already scaled by s·exp(G)); b_nrb = −R̄ (input dtype).
+    o_k = i_kb * KB + tl.arange(0, KB)
+    m_k = o_k < K
+    m_kr = m_k[:, None] & m_row[None, :]
+    b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
+    b_wt = tl.load(W + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
+    if GATE == 1:
+        b_ds = b_ds * b_egl
+    elif GATE == 2:
+        b_g = tl.load(G + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
+        b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_qt = (b_qt.to(tl.float32) * (tl.exp(b_g) * scale)).to(q.dtype.element_ty)
+        b_ds = b_ds * tl.exp(b_gl)[:, None]
+    b_ds = _mma(b_qt, b_dod, b_ds, PREC)
+    return _mma(b_wt, b_nrb, b_ds, PREC)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET"])
 def rewy_fwd_scan_kernel(
     k, W, U, G, h_in, Hs, R, X,
     T, NT, CPS, SEG_OFFSET,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_H_IN: tl.constexpr, PREC: tl.constexpr,
 ):
     # PHASE 0: scan chunks of segment s from the entering state h_in[bh, s] (or zero), storing S0 and R.
     # PHASE 1: augmented transfer scan of segment s (columns < V: bias from zero; VP + j: identity column j),
     #          storing only the segment's end state into X[bh, s].
+    # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_s0 .. b_s3.
     i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
     i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     cols = i_c * BV + tl.arange(0, BV)
     is_bias = cols < V
     dt = k.dtype.element_ty
-
-    if PHASE == 0:
-        m_st = m_k[:, None] & is_bias[None, :]
-        if USE_H_IN:
-            p_in = h_in + (i_bh * NS + i_s) * K * V + o_k[:, None] * V + cols[None, :]
-            b_s = tl.load(p_in, mask=m_st, other=0.0).to(tl.float32)
-        else:
-            b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    else:
-        id_col = cols - VP
-        is_id = (cols >= VP) & (id_col < K)
-        b_s = tl.where(is_id[None, :] & (o_k[:, None] == id_col[None, :]), 1.0, 0.0).to(tl.float32)
+    p_in = (i_bh * NS + i_s) * K * V
+    b_s0 = _state_block_init(h_in, p_in, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_H_IN)
+    if NB > 1:
+        b_s1 = _state_block_init(h_in, p_in, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_H_IN)
+    if NB > 2:
+        b_s2 = _state_block_init(h_in, p_in, cols, is_bias, 2, K, V, VP, KB, BV, PHASE, USE_H_IN)
+    if NB > 3:
+        b_s3 = _state_block_init(h_in, p_in, cols, is_bias, 3, K, V, VP, KB, BV, PHASE, USE_H_IN)
 
     c0 = i_s * CPS
     c1 = tl.minimum(c0 + CPS, NT)
+    o_t = tl.arange(0, BT)
     for i_t in range(c0, c1):
-        rows = i_t * BT + tl.arange(0, BT)
+        rows = i_t * BT + o_t
         m_row = rows < T
         tok = (i_b * T + rows) * H + i_h
         tok_last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
         if PHASE == 0:
-            p_h = Hs + ((i_b * NT + i_t) * H + i_h) * K * V + o_k[:, None] * V + cols[None, :]
-            tl.store(p_h, b_s.to(Hs.dtype.element_ty), mask=m_st)
-        m_rk = m_row[:, None] & m_k[None, :]
+            p_h = Hs + ((i_b * NT + i_t) * H + i_h) * K * V
+            _state_block_store(p_h, b_s0, cols, is_bias, V, 0, K, KB)
+            if NB > 1:
+                _state_block_store(p_h, b_s1, cols, is_bias, V, 1, K, KB)
+            if NB > 2:
+                _state_block_store(p_h, b_s2, cols, is_bias, V, 2, K, KB)
+            if NB > 3:
+                _state_block_store(p_h, b_s3, cols, is_bias, V, 3, K, KB)
         m_rv = m_row[:, None] & is_bias[None, :]
-        b_w = tl.load(W + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
-        b_u = tl.load(U + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0).to(tl.float32)
-        b_r = b_u - mm(b_w, b_s.to(dt), PREC)
+        # R = U − W S0, one [BT, KB] × [KB, BV] product per state block, accumulated in fp32
+        b_r = tl.load(U + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0).to(tl.float32)
+        b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s0, 0, K, KB, PREC)
+        if NB > 1:
+            b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s1, 1, K, KB, PREC)
+        if NB > 2:
+            b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s2, 2, K, KB, PREC)
+        if NB > 3:
+            b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s3, 3, K, KB, PREC)
         if PHASE == 0:
             tl.store(R + tok[:, None] * V + cols[None, :], b_r.to(R.dtype.element_ty), mask=m_rv)
-        # K_tᵀ is loaded transposed ([BK, BT]) rather than transposed in registers (see module docstring).
-        m_kr = m_k[:, None] & m_row[None, :]
-        b_ktt = tl.load(k + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
+        b_egl = 1.0
         if GATE == 1:
             b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last).to(tl.float32)
+            # K_tᵀR = Kᵀ(diag(exp(G_n − G)) R): decay the [BT, BV] rows, not the [K, BT] operand.
             # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
-            b_ktt = b_ktt * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[None, :]
-            b_s = b_s * tl.exp(b_gl)
-        elif GATE == 2:
-            b_g = tl.load(G + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
-            b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_ktt = b_ktt * tl.where(m_kr, tl.exp(b_gl[:, None] - b_g), 0.0)
-            b_s = b_s * tl.exp(b_gl)[:, None]
-        b_s += mm(b_ktt.to(dt), b_r.to(dt), PREC)
+            b_r = b_r * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
+            b_egl = tl.exp(b_gl)
+        b_rd = b_r.to(dt)
+        b_s0 = _fwd_state_update(b_s0, k, G, tok, tok_last, m_row, b_rd, b_egl, 0, K, KB, GATE, PREC)
+        if NB > 1:
+            b_s1 = _fwd_state_update(b_s1, k, G, tok, tok_last, m_row, b_rd, b_egl, 1, K, KB, GATE, PREC)
+        if NB > 2:
+            b_s2 = _fwd_state_update(b_s2, k, G, tok, tok_last, m_row, b_rd, b_egl, 2, K, KB, GATE, PREC)
+        if NB > 3:
+            b_s3 = _fwd_state_update(b_s3, k, G, tok, tok_last, m_row, b_rd, b_egl, 3, K, KB, GATE, PREC)
 
     if PHASE == 1:
         XW: tl.constexpr = VP + K
-        m_x = m_k[:, None] & (is_bias | is_id)[None, :]
-        tl.store(X + (i_bh * NS + i_s) * K * XW + o_k[:, None] * XW + cols[None, :], b_s, mask=m_x)
+        id_col = cols - VP
+        m_x = is_bias | ((cols >= VP) & (id_col < K))
+        p_x = X + (i_bh * NS + i_s) * K * XW
+        _state_block_store(p_x, b_s0, cols, m_x, XW, 0, K, KB)
+        if NB > 1:
+            _state_block_store(p_x, b_s1, cols, m_x, XW, 1, K, KB)
+        if NB > 2:
+            _state_block_store(p_x, b_s2, cols, m_x, XW, 2, K, KB)
+        if NB > 3:
+            _state_block_store(p_x, b_s3, cols, m_x, XW, 3, K, KB)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET"])
@@ -110,7 +251,7 @@ def rewy_bwd_scan_kernel(
     q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X,
     scale, T, NT, CPS, SEG_OFFSET,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
     STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -118,111 +259,154 @@ def rewy_bwd_scan_kernel(
     #          storing dS1 per chunk, R̄, and dh0 for segment 0.
     # PHASE 1: augmented transfer scan (bias columns from zero, identity columns without bias terms);
     #          stores the gradient at the segment's start into X[bh, s].
+    # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
     i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
     i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     cols = i_c * BV + tl.arange(0, BV)
     is_bias = cols < V
     dt = k.dtype.element_ty
-
-    if PHASE == 0:
-        m_st = m_k[:, None] & is_bias[None, :]
-        if USE_DH_IN:
-            p_in = dh_in + (i_bh * NS + i_s) * K * V + o_k[:, None] * V + cols[None, :]
-            b_ds = tl.load(p_in, mask=m_st, other=0.0).to(tl.float32)
-        else:
-            b_ds = tl.zeros([BK, BV], dtype=tl.float32)
-    else:
-        id_col = cols - VP
-        is_id = (cols >= VP) & (id_col < K)
-        b_ds = tl.where(is_id[None, :] & (o_k[:, None] == id_col[None, :]), 1.0, 0.0).to(tl.float32)
+    p_in = (i_bh * NS + i_s) * K * V
+    b_d0 = _state_block_init(dh_in, p_in, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_DH_IN)
+    if NB > 1:
+        b_d1 = _state_block_init(dh_in, p_in, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_DH_IN)
+    if NB > 2:
+        b_d2 = _state_block_init(dh_in, p_in, cols, is_bias, 2, K, V, VP, KB, BV, PHASE, USE_DH_IN)
+    if NB > 3:
+        b_d3 = _state_block_init(dh_in, p_in, cols, is_bias, 3, K, V, VP, KB, BV, PHASE, USE_DH_IN)
 
     c0 = i_s * CPS
     c1 = tl.minimum(c0 + CPS, NT)
+    o_t = tl.arange(0, BT)
     for i_r in range(0, c1 - c0):
         i_t = c1 - 1 - i_r
-        rows = i_t * BT + tl.arange(0, BT)
+        rows = i_t * BT + o_t
         m_row = rows < T
         tok = (i_b * T + rows) * H + i_h
         tok_last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
         if PHASE == 0:
-            p_d = dS1 + ((i_b * NT + i_t) * H + i_h) * K * V + o_k[:, None] * V + cols[None, :]
-            tl.store(p_d, b_ds.to(dS1.dtype.element_ty), mask=m_st)
-        m_rk = m_row[:, None] & m_k[None, :]
+            p_d = dS1 + ((i_b * NT + i_t) * H + i_h) * K * V
+            _state_block_store(p_d, b_d0, cols, is_bias, V, 0, K, KB)
+            if NB > 1:
+                _state_block_store(p_d, b_d1, cols, is_bias, V, 1, K, KB)
+            if NB > 2:
+                _state_block_store(p_d, b_d2, cols, is_bias, V, 2, K, KB)
+            if NB > 3:
+                _state_block_store(p_d, b_d3, cols, is_bias, V, 3, K, KB)
         m_rv = m_row[:, None] & is_bias[None, :]
-        # Wᵀ and Q_gᵀ are loaded transposed ([BK, BT]) rather than transposed in registers.
-        m_kr = m_k[:, None] & m_row[None, :]
-        b_kt = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-        b_wt = tl.load(W + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0)
-        b_qgt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32) * scale
+        # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
+        b_rb = tl.zeros([BT, BV], dtype=tl.float32)
+        b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d0, 0, K, KB, GATE, PREC)
+        if NB > 1:
+            b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d1, 1, K, KB, GATE, PREC)
+        if NB > 2:
+            b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d2, 2, K, KB, GATE, PREC)
+        if NB > 3:
+            b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d3, 3, K, KB, GATE, PREC)
         b_do = tl.load(do + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0)
+        b_egl = 1.0
         if GATE == 1:
             b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last).to(tl.float32)
+            # K_t dS = diag(exp(G_n − G)) K dS and Q_gᵀdO = Qᵀ diag(s·exp(G)) dO: the gates scale [BT, BV] rows.
             # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
-            b_kt = b_kt * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
-            b_qgt = b_qgt * tl.exp(b_g)[None, :]
+            b_rb = b_rb * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
+            b_dod = (b_do.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(dt)
+            b_egl = tl.exp(b_gl)
         elif GATE == 2:
-            b_g = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-            b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_kt = b_kt * tl.where(m_rk, tl.exp(b_gl[None, :] - b_g), 0.0)
-            b_gt = tl.load(G + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
-            b_qgt = b_qgt * tl.exp(b_gt)
-        b_rb = mm(b_kt.to(dt), b_ds.to(dt), PREC)
+            b_dod = b_do.to(dt)  # the vector gate (and s) scale Q_gᵀ per element
+        else:
+            b_dod = (b_do.to(tl.float32) * scale).to(dt)
         if HAS_DVL:
             b_rb += tl.load(dvl + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0).to(tl.float32)
         if PHASE == 0:
             tl.store(Rbar + tok[:, None] * V + cols[None, :], b_rb.to(Rbar.dtype.element_ty), mask=m_rv)
-        if GATE == 1:
-            b_ds = b_ds * tl.exp(b_gl)
-        elif GATE == 2:
-            b_ds = b_ds * tl.exp(b_gl)[:, None]
-        b_ds += mm(b_qgt.to(dt), b_do.to(dt), PREC)
-        b_ds -= mm(b_wt, b_rb.to(dt), PREC)
+        b_nrb = (-b_rb).to(dt)
+        b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 0, K, KB, GATE,
+                                 PREC)
+        if NB > 1:
+            b_d1 = _bwd_state_update(b_d1, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 1, K, KB,
+                                     GATE, PREC)
+        if NB > 2:
+            b_d2 = _bwd_state_update(b_d2, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 2, K, KB,
+                                     GATE, PREC)
+        if NB > 3:
+            b_d3 = _bwd_state_update(b_d3, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 3, K, KB,
+                                     GATE, PREC)
 
     if PHASE == 0:
         if STORE_DH0:
             if i_s == 0:
-                tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + cols[None, :], b_ds, mask=m_st)
+                p_0 = dh0 + i_bh * K * V
+                _state_block_store(p_0, b_d0, cols, is_bias, V, 0, K, KB)
+                if NB > 1:
+                    _state_block_store(p_0, b_d1, cols, is_bias, V, 1, K, KB)
+                if NB > 2:
+                    _state_block_store(p_0, b_d2, cols, is_bias, V, 2, K, KB)
+                if NB > 3:
+                    _state_block_store(p_0, b_d3, cols, is_bias, V, 3, K, KB)
     else:
         XW: tl.constexpr = VP + K
-        m_x = m_k[:, None] & (is_bias | is_id)[None, :]
-        tl.store(X + (i_bh * NS + i_s) * K * XW + o_k[:, None] * XW + cols[None, :], b_ds, mask=m_x)
+        id_col = cols - VP
+        m_x = is_bias | ((cols >= VP) & (id_col < K))
+        p_x = X + (i_bh * NS + i_s) * K * XW
+        _state_block_store(p_x, b_d0, cols, m_x, XW, 0, K, KB)
+        if NB > 1:
+            _state_block_store(p_x, b_d1, cols, m_x, XW, 1, K, KB)
+        if NB > 2:
+            _state_block_store(p_x, b_d2, cols, m_x, XW, 2, K, KB)
+        if NB > 3:
+            _state_block_store(p_x, b_d3, cols, m_x, XW, 3, K, KB)
 
 
 @triton.jit
 def rewy_segment_combine_kernel(
     X, h_first, h_in,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr, REVERSE: tl.constexpr, PREC: tl.constexpr,
+    KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr, REVERSE: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     # Serial over segments: entering state of each segment from its neighbour's transfer matrix and bias.
     # forward: h_in[0] = h0,  h_in[s+1] = Ψ_s h_in[s] + b_s;  reverse: h_in[NS-1] = dht, h_in[s-1] = Φ_s h_in[s] + b_s.
+    # Tiles are [KB, KB] blocks of Ψ times [KB, BV] blocks of the previous entering state, which is read back
+    # from h_in (this program wrote it; a CTA barrier orders the write before the read). Shared memory is then
+    # (KB² + KB·BV)·4 B at any K, instead of the K×K transfer matrix (64 KiB at K = 128) times the stages.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     XW: tl.constexpr = VP + K
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     cols = i_c * BV + tl.arange(0, BV)
-    m_st = m_k[:, None] & (cols < V)[None, :]
-    if USE_FIRST:
-        b_x = tl.load(h_first + i_bh * K * V + o_k[:, None] * V + cols[None, :], mask=m_st, other=0.0).to(tl.float32)
-    else:
-        b_x = tl.zeros([BK, BV], dtype=tl.float32)
+    m_c = cols < V
     s_first = NS - 1 if REVERSE else 0
-    tl.store(h_in + (i_bh * NS + s_first) * K * V + o_k[:, None] * V + cols[None, :], b_x, mask=m_st)
+    for ib in tl.static_range(NB):
+        o_f = ib * KB + tl.arange(0, KB)
+        m_f = (o_f < K)[:, None] & m_c[None, :]
+        if USE_FIRST:
+            b_f = tl.load(h_first + i_bh * K * V + o_f[:, None] * V + cols[None, :], mask=m_f, other=0.0)
+        else:
+            b_f = tl.zeros([KB, BV], dtype=tl.float32)
+        tl.store(h_in + (i_bh * NS + s_first) * K * V + o_f[:, None] * V + cols[None, :], b_f.to(tl.float32),
+                 mask=m_f)
     for i in range(0, NS - 1):
+        tl.debug_barrier()
         if REVERSE:
             s_src = NS - 1 - i
             s_dst = s_src - 1
         else:
             s_src = i
             s_dst = i + 1
-        p_x = X + (i_bh * NS + s_src) * K * XW + o_k[:, None] * XW
-        b_t = tl.load(p_x + VP + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
-        b_b = tl.load(p_x + cols[None, :], mask=m_st, other=0.0)
-        b_x = mm(b_t, b_x, PREC) + b_b
-        tl.store(h_in + (i_bh * NS + s_dst) * K * V + o_k[:, None] * V + cols[None, :], b_x, mask=m_st)
+        p_x = X + (i_bh * NS + s_src) * K * XW
+        p_src = h_in + (i_bh * NS + s_src) * K * V
+        for ib in tl.static_range(NB):
+            o_i = ib * KB + tl.arange(0, KB)
+            m_i = o_i < K
+            m_ic = m_i[:, None] & m_c[None, :]
+            b_x = tl.load(p_x + o_i[:, None] * XW + cols[None, :], mask=m_ic, other=0.0)
+            for jb in tl.static_range(NB):
+                o_j = jb * KB + tl.arange(0, KB)
+                m_j = o_j < K
+                b_t = tl.load(p_x + o_i[:, None] * XW + VP + o_j[None, :], mask=m_i[:, None] & m_j[None, :],
+                              other=0.0)
+                b_p = tl.load(p_src + o_j[:, None] * V + cols[None, :], mask=m_j[:, None] & m_c[None, :], other=0.0)
+                b_x = _mma(b_t, b_p, b_x, PREC)
+            tl.store(h_in + (i_bh * NS + s_dst) * K * V + o_i[:, None] * V + cols[None, :], b_x, mask=m_ic)
 
 
 def _check_scan_args(K, V, chunk_size, BK, BV, num_warps, num_stages, state_dtype, num_segments, dtype):
@@ -234,6 +418,24 @@ def _check_scan_args(K, V, chunk_size, BK, BV, num_warps, num_stages, state_dtyp
         raise ValueError(f"state_dtype must be torch.float32 or the input dtype {dtype}, got {state_dtype}")
     if not isinstance(num_segments, int) or num_segments < 1:
         raise ValueError(f"num_segments must be a positive int, got {num_segments!r}")
+
+
+def _state_blocks(K: int) -> tuple[int, int]:
+    """(rows per state register block KB ≤ 64, number of blocks NB): K ≤ 64 → one, ≤ 128 → two, ≤ 256 → four."""
+    KB = min(64, max(16, triton.next_power_of_2(K)))
+    return KB, triton.cdiv(K, KB)
+
+
+# Value tile of the segment-combine kernel, independent of the scans' BV: 16 columns keep it at ~100 registers
+# without spills (BV = 64 spilled) and its shared memory at 24 KiB (sm_90, K = 128).
+COMBINE_BV = 16
+
+
+def combine_shared_memory(K: int) -> int:
+    """Shared-memory bytes of rewy_segment_combine_kernel: fp32 [KB, KB] block of Ψ plus the [KB, BV] state block
+    and its dot-operand copy, one stage (sm_90 compile at K = 128: 24 576 B, exactly this)."""
+    KB, _ = _state_blocks(K)
+    return (KB * KB + 2 * KB * COMBINE_BV) * 4
 
 
 def _segments(NT: int, num_segments: int) -> tuple[int, int]:
@@ -280,7 +482,8 @@ def forward_state_scan(
     prec = dot_precision(k.dtype)
     Hs = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     R = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device)
-    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, BK=BK, BV=BV, GATE=gk, PREC=prec,
+    KB, NB = _state_blocks(K)
+    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=gk, PREC=prec,
                   num_warps=num_warps, num_stages=num_stages)
     h_in = h0
     if NS > 1:
@@ -289,9 +492,9 @@ def forward_state_scan(
         rewy_fwd_scan_kernel[grid1](k, W, U, G, None, Hs, R, X, T, NT, CPS, 0, NS=NS, PHASE=1, USE_H_IN=False,
                                     **common)
         h_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
-        rewy_segment_combine_kernel[(NV, B * H)](
-            X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, BK=BK, BV=BV, USE_FIRST=h0 is not None, REVERSE=False,
-            PREC=prec, num_warps=num_warps)
+        rewy_segment_combine_kernel[(triton.cdiv(V, COMBINE_BV), B * H)](
+            X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=h0 is not None,
+            REVERSE=False, PREC=prec, num_warps=num_warps, num_stages=1)
     rewy_fwd_scan_kernel[(NV, B * H, NS)](k, W, U, G, h_in, Hs, R, None, T, NT, CPS, 0, NS=NS, PHASE=0,
                                           USE_H_IN=h_in is not None, **common)
     return Hs, R
@@ -344,7 +547,8 @@ def reverse_state_scan(
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
-    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, BK=BK, BV=BV, GATE=gk, HAS_DVL=dvl is not None,
+    KB, NB = _state_blocks(K)
+    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=gk, HAS_DVL=dvl is not None,
                   PREC=prec, num_warps=num_warps, num_stages=num_stages)
     dh_in = dht
     if NS > 1:
@@ -353,9 +557,9 @@ def reverse_state_scan(
         rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, scale, T, NT, CPS, 1, NS=NS,
                                     PHASE=1, USE_DH_IN=False, STORE_DH0=False, **common)
         dh_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
-        rewy_segment_combine_kernel[(NV, B * H)](
-            X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, BK=BK, BV=BV, USE_FIRST=dht is not None, REVERSE=True,
-            PREC=prec, num_warps=num_warps)
+        rewy_segment_combine_kernel[(triton.cdiv(V, COMBINE_BV), B * H)](
+            X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=dht is not None,
+            REVERSE=True, PREC=prec, num_warps=num_warps, num_stages=1)
     rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT, CPS, 0,
                                           NS=NS, PHASE=0, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,
                                           **common)

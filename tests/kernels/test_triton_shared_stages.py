@@ -353,3 +353,21 @@ class TestSharedStagesGPU:
         x = torch.randn(self.B, self.T, self.H, self.K, device="cuda", generator=gen)
         check(reverse_chunk_cumsum(x, chunk_size=C, BK=64, num_warps=4), ref_chunk_cumsum(x, C, True),
               torch.float32, "reverse cumsum")
+
+
+def test_constraint_rejects_segments_whose_combine_kernel_cannot_fit():
+    # The combine kernel runs only when a scan is split (num_segments > 1); its shared memory is modelled from K.
+    from rewy_tune.kernels.triton.scan import combine_shared_memory as kernel_combine_smem
+    from rewy_tune.search_spaces.scalar import combine_shared_memory, constraint, default_schedule
+
+    base = default_schedule((9, 0))
+    need = combine_shared_memory(128)
+    assert need == kernel_combine_smem(128) == 24576  # the sm_90 compile at K = 128 (scan.py header)
+    for name in ("forward_scan_segments", "reverse_scan_segments"):
+        for nseg in (2, 4, 8):
+            sched = base.replace(**{name: nseg})
+            assert not [r for r in constraint(sched, {"K": 128, "V": 128}) if "segment-combine" in r]
+            tight = constraint(sched, {"K": 128, "V": 128, "smem_limit": need - 1})
+            assert any(name in r and "segment-combine" in r for r in tight), tight
+        one = constraint(base.replace(**{name: 1}), {"K": 128, "V": 128, "smem_limit": need - 1})
+        assert not [r for r in one if "segment-combine" in r]
