@@ -6,6 +6,9 @@
 - ``consumer``  : H = L_≤(dO Rᵀ) (self-term split), Q̄_g = dO S0ᵀ, K̄_t = R dS1ᵀ, Ē_dir = −P S0ᵀ and the four
                   intra products with Gram elimination → dq, dk, dv = ω⊙P, d_erase, d_write, Ḡ (per token,
                   before the reverse cumsum). ``joint=True`` fuses the producer (P, D never leave the chip).
+                  Two phases: (1) one V loop for the n×n products H, D (and dv, d_write, ⟨dO, R⟩), then
+                  Γ_q, Γ_r; (2) a run-time loop over K tiles, each a V loop for the three [C, BK] products
+                  followed by the dq / dk epilogue. Only the n×n or only the [C, BK] accumulators are live at once.
 
 Layout: q, k [B,T,H,K]; v, do, R, R̄ [B,T,H,V]; A [B,T,H,C]; G, erase, write [B,T,H]; per-chunk states
 S0, dS1 [B,NT,H,K,V]. One program per (chunk, batch·head); K and V are walked in block_k / block_v tiles.
@@ -17,6 +20,25 @@ transposed product instead (B_Qᵀ = Qᵀ Γ_q, B_Kᵀ = (eK)ᵀ Γ_r). The colu
 [BK, C] tile, is turned into rows through global memory (a transposed store into an fp32 scratch, a CTA
 barrier, a row load), never through ``tl.trans``.
 """
+
+# Consumer registers / spills / shared memory, compiled ahead of time for sm_90a (Triton 3.6.0 + its ptxas, no
+# GPU; `ptxas -v` on the kernel's PTX) at the cc-9.0 default schedule: bf16, K = V = 128, chunk 64, consumer
+# block_k = block_v = 64, 8 warps, 2 stages, scalar gate. Stack = ptxas stack frame per thread; spill = bytes
+# of spill stores / loads in the code (static). Speed not measured here (H200 only).
+#
+# | consumer kernel                          | regs | stack B | spill st / ld B | shared B |
+# |------------------------------------------|------|---------|-----------------|----------|
+# | joint, before (one K×V loop, static K)   | 255  | 1736    | 2780 / 4080     | 73728    |
+# | joint, after (n×n phase + run-time K)    | 255  | 1000    | 1312 / 1592     | 98304    |
+# | separate, before                         | 255  | 1824    | 3680 / 5048     | 90112    |
+# | separate, after                          | 255  | 1064    | 1444 / 1816     | 106496   |
+# | joint, after, 4 warps                    | 255  | 2792    | 5804 / 7744     | 81920    |
+# | joint, after, num_stages 1               | 255  |  848    | 1156 / 1416     | 65536    |
+#
+# Spills are reduced (−42 % stack), not removed. Tried and rejected (measured the same way): Γ_q/Γ_r and Aᵀ
+# through a global scratch instead of registers (stack 1528 B: worse); without the ⟨S0, dS1⟩ sum 1024 B and
+# without K̄_t or Ē_dir still ~800–970 B, so no single accumulator is the cause; the rest of the pressure
+# is the per-K-tile epilogue (dq, dk rows, column side) next to the three [C, BK] accumulators.
 
 from __future__ import annotations
 
@@ -209,17 +231,56 @@ def rewy_bwd_kernel_consumer(
         b_at = tl.load(p_at, boundary_check=(0, 1))
         b_at = tl.where(o_i[:, None] <= o_i[None, :], b_at, 0.0).to(DT)
 
+    # Phase 1 (once per chunk): the n×n products H = dO Rᵀ and (joint) D = −L_<(P Rᵀ), with the per-token
+    # sums and dv that read P. Only H, D and Aᵀ are live across this V loop.
     b_D = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates P Rᵀ (joint)
     b_H = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates dO Rᵀ
     b_hd = tl.zeros([BT], dtype=tl.float32)  # diag of H: ⟨dO_i, R_i⟩
     b_dwr = tl.zeros([BT], dtype=tl.float32)  # d_write = ⟨V_i, P_i⟩
+    for i_v in range(0, (V + BV - 1) // BV):
+        p_r = tl.make_block_ptr(R, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
+        b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
+        b_rt = tl.load(p_rt, boundary_check=(0, 1)).to(DT)
+        if JOINT:
+            p_rb = tl.make_block_ptr(Rbar, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+            b_p = _mma(b_at, tl.load(p_rb, boundary_check=(0, 1)).to(DT), PREC)
+            b_D += _mma(b_p.to(DT), b_rt, PREC)
+        else:
+            p_p = tl.make_block_ptr(P + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+            b_p = tl.load(p_p, boundary_check=(0, 1)).to(tl.float32)
+        b_H += _mma(b_do, b_rt, PREC)
+        b_hd += tl.sum(b_do.to(tl.float32) * tl.load(p_r, boundary_check=(0, 1)).to(tl.float32), axis=1)
+        p_v = tl.make_block_ptr(v, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        b_dwr += tl.sum(tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_p, axis=1)
+        p_dv = tl.make_block_ptr(dv, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        tl.store(p_dv, (b_w[:, None] * b_p).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+
+    # n×n masks and Λ are formed only here, after the V loop, to keep them out of its live registers.
+    m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]  # strict lower (self-term split)
+    if JOINT:
+        b_D = tl.where(m_lt, -b_D, 0.0)
+    else:
+        p_d = tl.make_block_ptr(D + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
+        b_D = tl.where(m_lt, tl.load(p_d, boundary_check=(0, 1)).to(tl.float32), 0.0)
+    # Γ_q = s H_< ⊙ Λ, Γ_r = D ⊙ Λ (the diagonal of H is added elementwise below)
+    if USE_G:
+        b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
+        b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
+        b_gr = tl.where(m_lt, b_D * b_lam, 0.0).to(DT)
+    else:
+        b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
+        b_gr = b_D.to(DT)
+
     b_der = tl.zeros([BT], dtype=tl.float32)  # d_erase
     b_gb = tl.zeros([BT], dtype=tl.float32)  # Ḡ (row side)
     b_gb_col = tl.zeros([BT], dtype=tl.float32)  # Ḡ (column side, from B_Q + B_K)
     b_frob = tl.zeros([BV], dtype=tl.float32)  # ⟨S0, dS1⟩_F, partial per value column
     b_tail = tl.zeros([BT], dtype=tl.float32)  # τ_j ⟨K_j, K̄_t,j⟩ for rows j < n
 
-    for i_k in tl.static_range(0, (K + BK - 1) // BK):
+    # Phase 2: a run-time loop over K tiles (one copy of the body), the [C, BK] products over V per tile.
+    for i_k in range(0, (K + BK - 1) // BK):
         b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ  (= −Ē_dir)
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
@@ -229,7 +290,7 @@ def rewy_bwd_kernel_consumer(
             b_r = tl.load(p_r, boundary_check=(0, 1)).to(DT)
             b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
             if JOINT:
-                # P tile recomputed per K tile when K > BK: trades 2n²·BV FLOPs for no P round trip.
+                # P tile recomputed per K tile: trades 2n²·BV FLOPs for no P round trip.
                 p_rb = tl.make_block_ptr(Rbar, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
                 b_p = _mma(b_at, tl.load(p_rb, boundary_check=(0, 1)).to(DT), PREC)
             else:
@@ -240,39 +301,11 @@ def rewy_bwd_kernel_consumer(
             p_ds1t = tl.make_block_ptr(dS1, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
             b_s0t = tl.load(p_s0t, boundary_check=(0, 1))
             b_ds1t = tl.load(p_ds1t, boundary_check=(0, 1))
-            if i_k == 0:
-                p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
-                b_rt = tl.load(p_rt, boundary_check=(0, 1)).to(DT)
-                if JOINT:
-                    b_D += _mma(b_p.to(DT), b_rt, PREC)
-                b_H += _mma(b_do, b_rt, PREC)
-                b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
-                p_v = tl.make_block_ptr(v, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-                b_dwr += tl.sum(tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_p, axis=1)
-                p_dv = tl.make_block_ptr(dv, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-                tl.store(p_dv, (b_w[:, None] * b_p).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
             if USE_G:
                 b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=1)
             b_pe += _mma(b_p.to(DT), b_s0t.to(DT), PREC)
             b_qg += _mma(b_do, b_s0t.to(DT), PREC)
             b_kt += _mma(b_r, b_ds1t.to(DT), PREC)
-
-        if i_k == 0:
-            # n×n masks and Λ are formed only here, after the V loop, to keep them out of its live registers.
-            m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]  # strict lower (self-term split)
-            if JOINT:
-                b_D = tl.where(m_lt, -b_D, 0.0)
-            else:
-                p_d = tl.make_block_ptr(D + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-                b_D = tl.where(m_lt, tl.load(p_d, boundary_check=(0, 1)).to(tl.float32), 0.0)
-            # Γ_q = s H_< ⊙ Λ, Γ_r = D ⊙ Λ (the diagonal of H is added elementwise below)
-            if USE_G:
-                b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
-                b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
-                b_gr = tl.where(m_lt, b_D * b_lam, 0.0).to(DT)
-            else:
-                b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
-                b_gr = b_D.to(DT)
 
         p_q = tl.make_block_ptr(q, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
