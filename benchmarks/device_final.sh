@@ -8,14 +8,13 @@ rm -rf build ./*.egg-info
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 || exit 4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 run() { python3 -P -m rewy_tune.cli.main "$@"; }
-bench() { timeout 100 python3 -P -m rewy_tune.cli.main bench --op "$1" --policy "$2" --json "$OUT/bench-$1-$2.json" \
+bench() { timeout 95 python3 -P -m rewy_tune.cli.main bench --op "$1" --policy "$2" --json "$OUT/bench-$1-$2.json" \
             > "$OUT/bench-$1-$2.log" 2>&1; echo "bench $1 $2 rc=$?"; grep -E "^│|geometric" "$OUT/bench-$1-$2.log"; }
 bench gdn R
-timeout 130 python3 -P -m pytest -q -m gpu -p no:cacheprovider --tb=line -k "fp32_gate or bitwise or graph or vector" \
+timeout 100 python3 -P -m pytest -q -m gpu -p no:cacheprovider --tb=line -k "fp32_gate or bitwise or graph or vector" \
   tests/kernels/test_triton_scalar.py tests/kernels/test_triton_vector.py > "$OUT/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"; grep -E "passed|failed|xfail|^FAILED|Error" "$OUT/gpu-tests.log" | tail -12
-bench deltanet R
-timeout 120 python3 -P -m rewy_tune.cli.main --device h200 --op gdn --policy R --shapes 1,2048,4 1,8192,16 \
-  --trials 8 --time-budget 100s --db "sqlite:///$OUT/h200.db" --storage "$OUT/h200.journal" > "$OUT/campaign.log" 2>&1
+timeout 100 python3 -P -m rewy_tune.cli.main --device h200 --op gdn --policy R --shapes 1,2048,4 1,8192,16 \
+  --trials 8 --time-budget 80s --db "sqlite:///$OUT/h200.db" --storage "$OUT/h200.journal" > "$OUT/campaign.log" 2>&1
 echo "campaign rc=$?"; tail -c 2500 "$OUT/campaign.log"
-bench gdn A
+bench deltanet R
