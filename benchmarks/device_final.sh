@@ -11,7 +11,7 @@ run() { python3 -P -m rewy_tune.cli.main "$@"; }
 bench() { timeout 95 python3 -P -m rewy_tune.cli.main bench --op "$1" --policy "$2" --json "$OUT/bench-$1-$2.json" \
             > "$OUT/bench-$1-$2.log" 2>&1; echo "bench $1 $2 rc=$?"; grep -E "^│|geometric" "$OUT/bench-$1-$2.log"; }
 bench gdn R
-timeout 100 python3 -P -m pytest -q -m gpu -p no:cacheprovider --tb=line -k "fp32_gate or bitwise or graph or vector" \
+timeout 100 python3 -P -m pytest -q -m gpu -p no:cacheprovider --tb=line -k "fp32_gate or bitwise or graph_replay" \
   tests/kernels/test_triton_scalar.py tests/kernels/test_triton_vector.py > "$OUT/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"; grep -E "passed|failed|xfail|^FAILED|Error" "$OUT/gpu-tests.log" | tail -12
 timeout 100 python3 -P -m rewy_tune.cli.main --device h200 --op gdn --policy R --shapes 1,2048,4 1,8192,16 \
