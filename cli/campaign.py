@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 

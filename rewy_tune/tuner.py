@@ -38,7 +38,7 @@ from rewy_tune import search
 from rewy_tune.device import Device, Environment
 from rewy_tune.problem import OPS, Bucket, Problem
 from rewy_tune.schedule import Schedule
-from rewy_tune.trial_worker import Outcome, TrialWorker
+from rewy_tune.trial_worker import TrialWorker
 
 STATUSES = ("ok", "constraint", "compile_error", "runtime_error", "timeout", "incorrect", "nondeterministic")
 CPU_SHAPES = ((1, 64, 1), (1, 128, 1))

@@ -42,29 +42,14 @@ barrier, a row load), never through ``tl.trans``.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs promise fp32 results: tl.dot would otherwise round fp32 operands to tf32 on the GPU.
-    # Triton 3.6.0's interpreter returns garbage for bf16 × bf16 tl.dot (fp16 and fp32 are fine), so under
-    # TRITON_INTERPRET=1 bf16 operands (already rounded to bf16) are multiplied in fp32 ("upcast"), which is
-    # what the GPU's bf16 MMA with fp32 accumulation computes.
-    if os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16:
-        return "upcast"
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@triton.jit
-def _mma(a, b, PREC: tl.constexpr):
-    if PREC == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PREC)
+# One definition of the dot precision rule (and its interpreter workaround) for every stage.
+from .recompute import dot_precision
+from .recompute import mm as _mma
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,7 +126,6 @@ def rewy_bwd_kernel_producer(
     o_i = tl.arange(0, BT)
     rows = i_t * BT + o_i
     m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
     DT = R.dtype.element_ty
     t0 = i_t * BT
     bos = (i_b * T * H + i_h).to(tl.int64)

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .recompute import dot_precision, mm, gate_kind, validate_chunk_size, validate_launch, validate_tile
+from .recompute import dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
 
 @triton.jit

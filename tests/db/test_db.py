@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import inspect, select, text
+from sqlalchemy import inspect, text
 
 from rewy_tune.db import exchange, migrations, queries
 from rewy_tune.db.engine import as_db_url, default_db_url, make_engine, open_db
