@@ -108,6 +108,19 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G)
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
+    return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
+                      schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local, consumer=run_consumer)
+
+
+def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
+               dv_local, consumer):
+    """The stage order shared by every operator; the gate type only picks the two local stages.
+
+    `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages)` and
+    `consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale, P, D, chunk_size, BK, BV,
+    num_warps, num_stages) -> (dq, dk, dv, Ḡ, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
+    Inputs are checked by the caller.
+    """
     q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
     erase, write = erase.contiguous(), write.contiguous()
     dht = dht.contiguous() if dht is not None else None
@@ -116,12 +129,12 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     C = sc.chunk_size
     state_dtype = _dtype_of("state_dtype", sc.state_dtype, q.dtype)
 
-    if g is not None and G is None:
-        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
-    elif G is not None:
-        G = G.to(torch.float32).contiguous()
     if g is None:
         G = None
+    elif G is None:
+        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
+    else:
+        G = G.to(torch.float32).contiguous()
 
     rc = sc.recompute
     W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
@@ -136,8 +149,8 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     del U
 
     dl = sc.dv_local
-    dvl = run_dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
-                       num_warps=dl.num_warps, num_stages=dl.num_stages)
+    dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
+                   num_warps=dl.num_warps, num_stages=dl.num_stages)
     rs = sc.reverse_scan
     dS1, Rbar, dh0 = reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k,
                                         BV=rs.block_v, num_warps=rs.num_warps, num_stages=rs.num_stages,
@@ -151,7 +164,7 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
         P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
                             num_stages=pr.num_stages, pd_dtype=_dtype_of("pd_dtype", sc.pd_dtype, q.dtype))
     cc = sc.consumer_cfg
-    dq, dk, dv, gbar, d_erase, d_write = run_consumer(
+    dq, dk, dv, gbar, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages)
 

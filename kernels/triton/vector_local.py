@@ -35,10 +35,7 @@ import triton.language as tl
 
 from rewy_tune.schedule import Schedule
 
-from .cumsum import chunk_cumsum, reverse_chunk_cumsum
-from .local import producer as run_producer
-from .recompute import dot_precision, mm, recompute_wu, validate_chunk_size, validate_launch, validate_tile
-from .scan import forward_state_scan, reverse_state_scan
+from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
 CENTRED_MAX_RANGE = 128.0
@@ -490,53 +487,16 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
         if t is not None and tuple(t.shape) != (B, H, K, V):
             raise ValueError(f"{name} must be [B,H,K,V]={(B, H, K, V)}, got {tuple(t.shape)}")
     schedule.validate_for(K, V)
-    q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
-    erase, write = erase.contiguous(), write.contiguous()
-    dht = dht.contiguous() if dht is not None else None
-    initial_state = initial_state.contiguous() if initial_state is not None else None
-    sc = schedule
-    C = sc.chunk_size
-    state_dtype = torch.float32 if sc.state_dtype == "fp32" else q.dtype
+    from .pipeline import run_stages
 
-    if G is None:
-        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
-    else:
-        G = G.to(torch.float32).contiguous()
+    def dv_local(*args, **kwargs):
+        return dv_local_vector(*args, intra=schedule.intra, **kwargs)
 
-    rc = sc.recompute
-    W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
-                        num_warps=rc.num_warps, num_stages=rc.num_stages)
-    if S0 is None:
-        fs = sc.forward_scan
-        S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
-                                   num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
-                                   num_segments=sc.forward_scan_segments)
-    else:
-        S0, R = S0.contiguous(), R.contiguous()
-    del U
+    def consumer(*args, **kwargs):
+        *grads, flags = consumer_vector(*args, intra=schedule.intra, **kwargs)
+        if intra_paths is not None:
+            intra_paths["flags"] = flags
+        return grads
 
-    dl = sc.dv_local
-    dvl = dv_local_vector(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
-                          num_warps=dl.num_warps, num_stages=dl.num_stages, intra=sc.intra)
-    rs = sc.reverse_scan
-    dS1, Rbar, dh0 = reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k,
-                                        BV=rs.block_v, num_warps=rs.num_warps, num_stages=rs.num_stages,
-                                        state_dtype=state_dtype, want_dh0=initial_state is not None,
-                                        num_segments=sc.reverse_scan_segments)
-    del dvl, W
-
-    P = D = None
-    if sc.consumer == "separate":
-        pr = sc.producer
-        P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
-                            num_stages=pr.num_stages,
-                            pd_dtype=torch.float32 if sc.pd_dtype == "fp32" else q.dtype)
-    cc = sc.consumer_cfg
-    dq, dk, dv, gbar, d_erase, d_write, flags = consumer_vector(
-        q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
-        BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, intra=sc.intra)
-    if intra_paths is not None:
-        intra_paths["flags"] = flags
-
-    dg = reverse_chunk_cumsum(gbar, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
-    return dq, dk, dv, dg.to(g.dtype), d_erase, d_write, dh0
+    return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
+                      schedule=schedule, S0=S0, R=R, G=G, dv_local=dv_local, consumer=consumer)
