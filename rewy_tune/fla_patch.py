@@ -6,7 +6,7 @@ defining modules and in every loaded module that holds the original function obj
 `from fla.ops import chunk_kda`). `disable()` puts back exactly the objects it replaced.
 
 A call runs the ReWY op (schedule from `dispatch.lookup`) only inside the supported envelope: CUDA
-tensors, an operator with a Triton backward (`kernels.triton_function.SUPPORTED_OPS`), equal-length
+tensors, an operator whose Triton backward is GPU-verified (`kernels.triton_function.GPU_VERIFIED_OPS`), equal-length
 sequences (no cu_seqlens / context parallel), v heads == q heads (no GVA), K, V in [16, 256], dtype
 bf16/fp16/fp32, and every other FLA option at its default (no in-kernel l2norm, gate or beta activation,
 chunk_size 64). Any other call goes to the original FLA function unchanged; both are counted in `report()`.
@@ -61,9 +61,9 @@ _patched: list[tuple[object, str, object]] = []  # (module, attribute, original)
 
 
 def _triton_ops() -> frozenset[str]:
-    from rewy_tune.ops import _triton_ops as ops
+    from rewy_tune.ops import _auto_ops
 
-    return ops()
+    return _auto_ops()
 
 
 def envelope_reason(op: str, arguments: dict, extra: dict) -> str | None:

@@ -14,16 +14,20 @@ import torch
 
 from rewy_tune.validation import validate_inputs
 
-# Operators whose complete backward exists as Triton kernels.
-TRITON_OPS: frozenset[str] = frozenset()
 
 
 def _triton_ops() -> frozenset[str]:
-    try:
-        from rewy_tune.kernels.triton_function import SUPPORTED_OPS
-    except ImportError:
-        return TRITON_OPS
+    """Operators whose complete backward exists as Triton kernels (backend="triton", the tuner)."""
+    from rewy_tune.kernels.triton_function import SUPPORTED_OPS
+
     return frozenset(SUPPORTED_OPS)
+
+
+def _auto_ops() -> frozenset[str]:
+    """Operators that backend="auto" and enable() send to Triton: those verified on a GPU."""
+    from rewy_tune.kernels.triton_function import GPU_VERIFIED_OPS
+
+    return frozenset(GPU_VERIFIED_OPS)
 
 
 def resolve_backend(op: str, backend: str, device: torch.device) -> str:
@@ -33,7 +37,7 @@ def resolve_backend(op: str, backend: str, device: torch.device) -> str:
     available = _triton_ops()
     on_cuda = device.type == "cuda"
     if backend == "auto":
-        return "triton" if on_cuda and op in available else "torch"
+        return "triton" if on_cuda and op in _auto_ops() else "torch"
     # backend == "triton"
     if op not in available:
         raise ValueError(

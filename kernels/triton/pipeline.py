@@ -1,4 +1,5 @@
-"""The complete ReWY backward of DeltaNet / GDN (no gate or scalar gate) as a chain of Triton stages.
+"""The complete ReWY backward as a chain of Triton stages (`run_stages`); DeltaNet / GDN local stages here,
+KDA / GDN2 through `vector_local.py`, which reuses the same stage order.
 
 Order (rewy-math §§3–6): G = chunk cumsum of g → [policy R] W, U = recompute(A) and S0, R = forward scan
 → dv_local = A_qkᵀ dO → reverse scan (dS1, R̄, dh0) → [separate] producer P, D → consumer (dq, dk, dv,
