@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -20,9 +22,17 @@ def run_verify(ops: list[str], backend: str, device: str, policies: list[str], s
         table.add_column(col, justify="right" if col in ("rel RMS", "max |err|", "limit") else "left")
     all_ok = True
     worst: dict[str, float] = {}
+    # Triton 3.6's interpreter truncates fp32 -> bf16 (tests/kernels/test_interpreter_quirks.py), so its bf16
+    # results say nothing about the GPU kernels: on the interpreter only fp32 cases gate the Triton backend.
+    skip_bf16 = backend != "torch" and os.environ.get("TRITON_INTERPRET") == "1"
+    if skip_bf16:
+        console.print("note: bf16 cases skipped on the Triton interpreter (it truncates fp32 -> bf16; "
+                      "run on a GPU for the bf16 gate)")
     for op in ops:
         for policy in policies:
-            for i, case in enumerate(gates.default_cases(op, policy, device=device)):
+            cases = [c for c in gates.default_cases(op, policy, device=device)
+                     if not (skip_bf16 and c.dtype == "bf16")]
+            for i, case in enumerate(cases):
                 result = gates.run_case(case, runner, seed=seed + i, device=device)
                 all_ok &= result.passed
                 if result.error:

@@ -217,18 +217,20 @@ def test_each_field_one_at_a_time(field):
     assert_gates(run_triton(x, changed), ref, ctx=f"{field} changed")
 
 
-# bf16 inputs are held to the project gate (0.8 % / 2 %), never a looser bound. Measured in the interpreter at
-# K = V = 128, T = 256, gates logsigmoid(N(0,1)): DeltaNet dk 1.5 %, dv 1.1 %, d_erase 1.7–2.0 %; GDN dk 0.8 %,
-# dv 1.0 %, d_erase 1.7 % — over the gate, while FLA's bf16 GDN backward stays near 0.5 % (fla_h200_baseline.json).
-# Open defect of issue 3 (bf16 storage of W, R, R̄ and the products that read them): these tests are expected
-# to fail until it is fixed, and must then pass unchanged.
+# bf16 inputs are held to the project gate (0.8 % / 2 %), never a looser bound. Triton 3.6's interpreter converts
+# fp32 → bf16 by truncation, not round-to-nearest (test_interpreter_quirks.py pins this): every bf16 rounding inside
+# a kernel then costs twice the error, which puts interpreter bf16 results over the gate (dv_local alone: 0.60 %
+# against 0.23 % for the same product with round-to-nearest). So bf16 tests are expected to fail under the
+# interpreter only; on a GPU (round-to-nearest conversions) they must pass the gate unchanged.
 BF16_ORDINARY, BF16_GATE = ORDINARY, GATE
-BF16_OPEN = pytest.mark.xfail(strict=False, reason="open defect (issue 3): bf16 inputs exceed the 0.8 % gate")
+BF16_ON_INTERPRETER = pytest.mark.xfail(
+    condition=os.environ.get("TRITON_INTERPRET") == "1", strict=False,
+    reason="Triton 3.6's interpreter truncates fp32 -> bf16 (twice round-to-nearest's error); the gate applies on GPU")
 
 
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 def test_bf16_inputs_run():
-    # bf16 inputs at a small shape, held to the project gate (see BF16_OPEN for the larger shapes).
+    # bf16 inputs at a small shape, held to the project gate (see BF16_ON_INTERPRETER for the larger shapes).
     x = make_inputs("gdn", 1, 64, 1, 32, 32, dtype=torch.bfloat16, seed=17)
     out = run_triton(x, BASE)
     assert out["dq"].dtype == torch.bfloat16 and out["dg"].dtype == torch.float32 and out["dh0"].dtype == torch.float32
@@ -305,7 +307,7 @@ def assert_bf16(out, ref, ctx):
 
 
 @pytest.mark.gpu
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
 def test_gpu_bench_shapes_bf16(op, B, T, H):
@@ -327,7 +329,7 @@ def test_gpu_fp32_gate(op, B, T, H, policy):
 
 
 @pytest.mark.gpu
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("KV", [64, 256])
 def test_gpu_head_dims(op, KV):
@@ -445,11 +447,11 @@ def test_autograd_function_cpu(op, policy):
 
 
 @pytest.mark.gpu
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_autograd_function_gpu(op, policy):
-    # FLA forward (bf16 A, h, v_new) + ReWY backward, held to the project gate (see BF16_OPEN).
+    # FLA forward (bf16 A, h, v_new) + ReWY backward, held to the project gate (see BF16_ON_INTERPRETER).
     x = make_inputs(op, 2, 1000, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=23, gate_div=1.0)
     got = _function_grads(x, policy, None)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})

@@ -281,12 +281,17 @@ def test_run_twice_bitwise():
         assert torch.equal(a[n], b[n]), n
 
 
-# Open defect of issue 3 (bf16 storage of W, R, R̄ and the products that read them), shared with the scalar
-# pipeline: bf16 tests are held to the project gate and expected to fail until it is fixed, then pass unchanged.
-BF16_OPEN = pytest.mark.xfail(strict=False, reason="open defect (issue 3): bf16 inputs exceed the 0.8 % gate")
+# bf16 inputs are held to the project gate (0.8 % / 2 %), never a looser bound. Triton 3.6's interpreter converts
+# fp32 → bf16 by truncation, not round-to-nearest (test_interpreter_quirks.py pins this): every bf16 rounding inside
+# a kernel then costs twice the error, which puts interpreter bf16 results over the gate (dv_local alone: 0.60 %
+# against 0.23 % for the same product with round-to-nearest). So bf16 tests are expected to fail under the
+# interpreter only; on a GPU (round-to-nearest conversions) they must pass the gate unchanged.
+BF16_ON_INTERPRETER = pytest.mark.xfail(
+    condition=os.environ.get("TRITON_INTERPRET") == "1", strict=False,
+    reason="Triton 3.6's interpreter truncates fp32 -> bf16 (twice round-to-nearest's error); the gate applies on GPU")
 
 
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_bf16_inputs_run(op):
     x = make_inputs(op, 1, 64, 1, 32, 32, dtype=torch.bfloat16, seed=43)
@@ -387,7 +392,7 @@ def test_gpu_fp32_gate(op, decay, consumer):
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu fp32 {op} {decay} {consumer}")
 
 
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES)
@@ -397,7 +402,7 @@ def test_gpu_bench_shapes(op, B, T, H):
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H}")
 
 
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("KV", [64, 256])
@@ -406,7 +411,7 @@ def test_gpu_head_dims(op, KV):
     assert_gates(run_triton(x, _gpu_schedule(KV)), oracle(x, device="cuda"), ctx=f"gpu {op} K=V={KV}")
 
 
-@BF16_OPEN
+@BF16_ON_INTERPRETER
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_gpu_strong_decay(op):
