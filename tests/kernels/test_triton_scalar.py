@@ -22,9 +22,7 @@ from rewy_tune.kernels.reference.rewy_backward import rewy_backward
 from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule, StageConfig
 
-ORDINARY, GATE = 0.008, 0.02
-GATE_LIKE = ("dg", "d_erase", "d_write")
-NAMES = ("dq", "dk", "dv", "dg", "d_erase", "d_write", "dh0")
+from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, rel_rms  # noqa: E402
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
 BASE = Schedule(
@@ -94,28 +92,6 @@ def run_triton(x, schedule, policy="R"):
     out = rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], fwd.A, x["do"], x["dht"],
                                scale=scale, initial_state=x["h0"], schedule=schedule, **kw)
     return dict(zip(NAMES, out))
-
-
-def rel_rms(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    den = b.pow(2).mean().sqrt().item()
-    num = (a - b).pow(2).mean().sqrt().item()
-    return num / den if den > 0 else num
-
-
-def assert_gates(out, ref, *, ctx=""):
-    errs = {}
-    for n in NAMES:
-        if ref[n] is None:
-            assert out[n] is None, f"{ctx}: {n} should be None"
-            continue
-        assert out[n] is not None, f"{ctx}: {n} missing"
-        assert out[n].shape == ref[n].shape, f"{ctx}: {n} shape {tuple(out[n].shape)} vs {tuple(ref[n].shape)}"
-        assert torch.isfinite(out[n]).all(), f"{ctx}: {n} has non-finite values (unwritten tile?)"
-        errs[n] = rel_rms(out[n], ref[n])
-        tol = GATE if n in GATE_LIKE else ORDINARY
-        assert errs[n] <= tol, f"{ctx}: {n} rel RMS {errs[n]:.2e} > {tol} (all: {errs})"
-    return errs
 
 
 # ----------------------------------------------------------------------------------------------------------

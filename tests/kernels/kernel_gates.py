@@ -1,0 +1,33 @@
+"""Gate assertions shared by the Triton kernel tests: the project thresholds of rewy_tune.gates, per tensor."""
+
+import torch
+
+from rewy_tune.gates import GATE_RTOL as GATE
+from rewy_tune.gates import ORDINARY_RTOL as ORDINARY
+
+GATE_LIKE = ("dg", "d_erase", "d_write")
+NAMES = ("dq", "dk", "dv", "dg", "d_erase", "d_write", "dh0")
+
+__all__ = ["GATE", "ORDINARY", "GATE_LIKE", "NAMES", "rel_rms", "assert_gates"]
+
+
+def rel_rms(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    den = b.pow(2).mean().sqrt().item()
+    num = (a - b).pow(2).mean().sqrt().item()
+    return num / den if den > 0 else num
+
+
+def assert_gates(out, ref, *, ctx=""):
+    errs = {}
+    for n in NAMES:
+        if ref[n] is None:
+            assert out[n] is None, f"{ctx}: {n} should be None"
+            continue
+        assert out[n] is not None, f"{ctx}: {n} missing"
+        assert out[n].shape == ref[n].shape, f"{ctx}: {n} shape {tuple(out[n].shape)} vs {tuple(ref[n].shape)}"
+        assert torch.isfinite(out[n]).all(), f"{ctx}: {n} has non-finite values (unwritten tile?)"
+        errs[n] = rel_rms(out[n], ref[n])
+        tol = GATE if n in GATE_LIKE else ORDINARY
+        assert errs[n] <= tol, f"{ctx}: {n} rel RMS {errs[n]:.2e} > {tol} (all: {errs})"
+    return errs
