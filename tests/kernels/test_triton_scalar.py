@@ -22,7 +22,7 @@ from rewy_tune.kernels.reference.rewy_backward import rewy_backward
 from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule, StageConfig
 
-from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, rel_rms  # noqa: E402
+from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, rel_rms
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
 BASE = Schedule(

@@ -27,7 +27,7 @@ from rewy_tune.kernels.triton.vector_local import (
 )
 from rewy_tune.schedule import Schedule, StageConfig
 
-from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, rel_rms  # noqa: E402
+from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, rel_rms
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
 BASE = Schedule(
