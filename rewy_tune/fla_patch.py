@@ -170,10 +170,9 @@ def _load_originals() -> None:
             _wrappers[op] = _make_wrapper(op, fn)
 
 
-def _scan_and_patch() -> int:
-    """Replace every reference to an original found in a loaded module; returns how many were replaced."""
-    by_id = {id(fn): op for op, fn in _originals.items()}
-    count = 0
+def _bindings(targets: dict[str, object]):
+    """(module, attribute, op) for every loaded module attribute that is one of `targets` (op -> object)."""
+    by_id = {id(obj): op for op, obj in targets.items()}
     for module in list(sys.modules.values()):
         if module is None or module is sys.modules[__name__]:
             continue
@@ -183,10 +182,17 @@ def _scan_and_patch() -> int:
             continue
         for attr, value in items:
             op = by_id.get(id(value))
-            if op is not None and value is _originals[op]:
-                setattr(module, attr, _wrappers[op])
-                _patched.append((module, attr, value))
-                count += 1
+            if op is not None and value is targets[op]:
+                yield module, attr, op
+
+
+def _scan_and_patch() -> int:
+    """Replace every reference to an original found in a loaded module; returns how many were replaced."""
+    count = 0
+    for module, attr, op in _bindings(_originals):
+        setattr(module, attr, _wrappers[op])
+        _patched.append((module, attr, _originals[op]))
+        count += 1
     return count
 
 
@@ -215,18 +221,8 @@ def disable() -> None:
             if getattr(module, attr, None) is _wrappers.get(_op_of(original)):
                 setattr(module, attr, original)
         # modules that copied a wrapper by name while enabled (e.g. `from fla.ops import chunk_kda` then)
-        wrappers = {id(w): op for op, w in _wrappers.items()}
-        for module in list(sys.modules.values()):
-            if module is None:
-                continue
-            try:
-                items = list(vars(module).items())
-            except TypeError:
-                continue
-            for attr, value in items:
-                op = wrappers.get(id(value))
-                if op is not None and value is _wrappers[op]:
-                    setattr(module, attr, _originals[op])
+        for module, attr, op in _bindings(_wrappers):
+            setattr(module, attr, _originals[op])
 
 
 def _op_of(original) -> str | None:
