@@ -26,9 +26,10 @@ from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule
 
 SUPPORTED_OPS = ("deltanet", "gdn", "kda", "gdn2")
-# Operators that backend="auto" and `rewy_tune.enable()` route here: only those whose kernels have passed the
-# GPU gate tests on real hardware. KDA and GDN2 pass under the interpreter but have not run on a GPU yet
-# (issue 4); until then they are reachable with backend="triton" (and by the tuner, which gates every trial).
+# Operators that backend="auto" and `rewy_tune.enable()` route here: only those whose kernels have run on a GPU
+# (DeltaNet, GDN: benchmarked and first fp32 gate tests passed on the H200; full GPU suite pending, issue 3).
+# KDA and GDN2 pass under the interpreter but have not run on a GPU yet (issue 4); until then they are
+# reachable with backend="triton" (and by the tuner, which gates every trial).
 GPU_VERIFIED_OPS = ("deltanet", "gdn")
 
 
