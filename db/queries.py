@@ -101,16 +101,22 @@ def get_campaign(session: Session, campaign_id: int) -> CampaignRow | None:
     return session.get(CampaignRow, campaign_id)
 
 
-def campaigns(session: Session, *, device: str | None = None, op: str | None = None, status: str | None = None,
-              offset: int = 0, limit: int = 100) -> list[CampaignRow]:
-    """Newest first; `device` is a short name such as 'h200'."""
-    query = select(CampaignRow).order_by(CampaignRow.id.desc()).offset(offset).limit(limit)
+def _filter_campaigns(query, *, device: str | None, op: str | None, status: str | None):
+    """The campaign filters shared by the list and the count (device by short name)."""
     if device is not None:
         query = query.join(DeviceRow, DeviceRow.id == CampaignRow.device_id).where(DeviceRow.short_name == device)
     if op is not None:
         query = query.where(CampaignRow.op == op)
     if status is not None:
         query = query.where(CampaignRow.status == status)
+    return query
+
+
+def campaigns(session: Session, *, device: str | None = None, op: str | None = None, status: str | None = None,
+              offset: int = 0, limit: int = 100) -> list[CampaignRow]:
+    """Newest first; `device` is a short name such as 'h200'."""
+    query = select(CampaignRow).order_by(CampaignRow.id.desc()).offset(offset).limit(limit)
+    query = _filter_campaigns(query, device=device, op=op, status=status)
     return list(session.scalars(query))
 
 
@@ -278,12 +284,7 @@ def all_campaigns(session: Session) -> list[CampaignRow]:
 def campaign_count(session: Session, *, device: str | None = None, op: str | None = None,
                    status: str | None = None) -> int:
     query = select(func.count()).select_from(CampaignRow)
-    if device is not None:
-        query = query.join(DeviceRow, DeviceRow.id == CampaignRow.device_id).where(DeviceRow.short_name == device)
-    if op is not None:
-        query = query.where(CampaignRow.op == op)
-    if status is not None:
-        query = query.where(CampaignRow.status == status)
+    query = _filter_campaigns(query, device=device, op=op, status=status)
     return session.scalar(query) or 0
 
 

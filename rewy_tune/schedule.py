@@ -38,6 +38,16 @@ def _pow2(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (x & (x - 1)) == 0
 
 
+def _known_fields(cls, d: Any) -> dict[str, Any]:
+    """`d` checked to be a dict of `cls`'s fields (error messages name the class and the strays)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__}: expected a dict, got {type(d).__name__}")
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+    return d
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """Launch shape of one stage: feature tiles (block_k over K, block_v over V), warps, pipeline depth."""
@@ -64,12 +74,7 @@ class StageConfig:
     def from_dict(cls, d: dict[str, Any] | "StageConfig") -> "StageConfig":
         if isinstance(d, StageConfig):
             return d
-        if not isinstance(d, dict):
-            raise ValueError(f"StageConfig: expected a dict, got {type(d).__name__}")
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"StageConfig: unknown field(s) {sorted(unknown)}")
-        return cls(**d)
+        return cls(**_known_fields(cls, d))
 
 
 @dataclass(frozen=True)
@@ -131,12 +136,7 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Schedule":
-        if not isinstance(d, dict):
-            raise ValueError(f"Schedule: expected a dict, got {type(d).__name__}")
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"Schedule: unknown field(s) {sorted(unknown)}")
-        return cls(**d)
+        return cls(**_known_fields(cls, d))
 
     @classmethod
     def from_json(cls, s: str) -> "Schedule":

@@ -133,6 +133,7 @@ def test_consumer_several_k_tiles(op, consumer):
         if out[n] is not None:
             assert rel_rms(out[n], other[n]) <= 1e-4, n
 
+
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_no_initial_state_no_dht(op):
     x = make_inputs(op, 1, 100, 2, 32, 32, seed=3, h0=False, dht=False)
