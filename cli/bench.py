@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -35,11 +36,11 @@ def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16),
     import torch
 
     from rewy_tune.schedule import Schedule
-    from rewy_tune.search_spaces import default_schedule
+    from rewy_tune.search import default_schedule
 
     if spec == "default":
         cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        return default_schedule(cc, K=K, V=V)
+        return default_schedule(op, cc, K, V)
     if spec == "db":
         return _stored_winner(op, policy, shape, K, V)
     path = Path(spec)
@@ -113,3 +114,52 @@ def run_bench(op: str, policy: str, schedule, shapes, K: int, V: int, rounds: in
 
 def write_json(path: str, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=1))
+
+
+def run_many(runs, shapes, K: int, V: int, rounds: int, seed: int, jobs: int | None, json_out: str | None,
+             console: Console) -> int:
+    """Bench each (op, policy, schedule) in turn after compiling all of them ahead in parallel; a run that
+    fails is reported and the others go on. Exit code 1 if any failed."""
+    from rewy_tune import warmup
+
+    jobs = warmup.default_jobs() if jobs is None else jobs
+    if jobs > 1:
+        t0 = time.perf_counter()
+        # One task per head count: H is a compile-time constant, so shapes that share it share kernels
+        # and are better compiled once, in one process, than concurrently in several.
+        by_h: dict[int, list] = {}
+        for shape in shapes:
+            by_h.setdefault(shape[2], []).append(shape)
+        tasks = [warmup.WarmTask(op, policy, sched.to_dict(), group, K, V)
+                 for op, policy, sched in runs for group in by_h.values()]
+        console.print(f"compiling ahead: {len(tasks)} (operator, policy, head count) tasks in {jobs} processes ...")
+        for r in warmup.warm(tasks, jobs):
+            if r.status != "ok":
+                console.print(f"[yellow]warm-up {r.task.op} {r.task.policy} {r.task.shapes}: {r.status}[/yellow] "
+                              f"{r.message}", soft_wrap=True)
+        console.print(f"compiled ahead in {time.perf_counter() - t0:.0f} s")
+    failed, summary = 0, []
+    many = len(runs) > 1
+    if json_out and many:
+        Path(json_out).mkdir(parents=True, exist_ok=True)
+    for op, policy, sched in runs:
+        try:
+            data = run_bench(op, policy, sched, shapes, K, V, rounds, seed, console)
+        except Exception as exc:  # noqa: BLE001 - one operator's failure must not hide the others' numbers
+            failed += 1
+            console.print(f"[red]{op} policy {policy} failed:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
+            summary.append((op, policy, None))
+            continue
+        summary.append((op, policy, data["geomean_speedup"]))
+        if json_out:
+            path = str(Path(json_out) / f"bench-{op}-{policy}.json") if many else json_out
+            write_json(path, data)
+            console.print(f"wrote {path}")
+    if many:
+        table = Table(title="geometric mean FLA/ours, complete backward")
+        for col in ("operator", "policy", "FLA/ours"):
+            table.add_column(col)
+        for op, policy, geo in summary:
+            table.add_row(op, policy, "failed" if geo is None else f"{geo:.3f}x")
+        console.print(table)
+    return 1 if failed else 0

@@ -7,6 +7,7 @@ one line and exits with code 2, having written nothing.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def load_workload(path: str) -> dict:
 
 
 def build_config(*, device: str, op: str, policy: str, shapes, workload, head_dim, trials, time_budget, db,
-                 storage, workers, resume, trial_timeout, seed):
+                 storage, workers, resume, trial_timeout, seed, compile_jobs=None):
     """Validate every option (no side effects) and return a CampaignConfig."""
     from rewy_tune.cli.bench import parse_shapes
     from rewy_tune.db.engine import as_db_url, default_db_url
@@ -116,12 +117,16 @@ def build_config(*, device: str, op: str, policy: str, shapes, workload, head_di
 
         if workers > torch.cuda.device_count():
             raise BadInput(f"--workers {workers}: only {torch.cuda.device_count()} GPU(s) present (one worker per GPU)")
+    if compile_jobs is None:  # GPU: half the cores per worker compile ahead, at most 8; the interpreter: 1
+        compile_jobs = 1 if dev.is_cpu else max(1, min(8, (os.cpu_count() or 2) // (2 * workers)))
+    elif compile_jobs < 1:
+        raise BadInput(f"--compile-jobs must be at least 1, got {compile_jobs}")
     ops = ["deltanet", "gdn", "kda", "gdn2"] if op == "all" else [op]
     return CampaignConfig(
         device=dev, environment=current_environment(), ops=ops,
         policies=["R", "A"] if policy == "both" else [policy], shapes=shape_list, K=K, V=V, dtype=dtype,
         trials=trials, time_budget_s=budget_s, db_url=as_db_url(db) if db else default_db_url(),
-        storage_url=storage, workers=workers, resume=resume,
+        storage_url=storage, workers=workers, resume=resume, compile_jobs=compile_jobs,
         trial_timeout_s=trial_timeout if trial_timeout else (120.0 if dev.is_cpu else 300.0), seed=seed)
 
 

@@ -26,6 +26,7 @@ def root(
     db: Optional[str] = typer.Option(None, help="database URL or SQLite path (default: REWY_DB or the data dir)"),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL or journal file (default: beside the db)"),
     workers: int = typer.Option(1, help="worker processes sharing the study (one per GPU)"),
+    compile_jobs: Optional[int] = typer.Option(None, "--compile-jobs", help="trials gated (and compiled) in parallel per worker before timing one by one (default: GPU min(8, cores/2/workers); cpu 1)"),
     resume: bool = typer.Option(False, "--resume", help="continue the newest campaign of the same studies"),
     trial_timeout: Optional[float] = typer.Option(None, "--trial-timeout", help="seconds per worker request"),
     seed: Optional[int] = typer.Option(None, help="sampler seed"),
@@ -47,7 +48,8 @@ def root(
         config = campaign.build_config(device=device or "auto", op=op, policy=policy, shapes=shapes,
                                        workload=workload, head_dim=head_dim, trials=trials,
                                        time_budget=time_budget, db=db, storage=storage, workers=workers,
-                                       resume=resume, trial_timeout=trial_timeout, seed=seed)
+                                       resume=resume, trial_timeout=trial_timeout, seed=seed,
+                                       compile_jobs=compile_jobs)
     except campaign.BadInput as exc:
         _fail(str(exc))
     raise typer.Exit(code=campaign.run_campaign(config, console))
@@ -87,38 +89,41 @@ def verify(
 
 @app.command()
 def bench(
-    op: str = typer.Option(..., help="deltanet, gdn, kda or gdn2"),
-    policy: str = typer.Option("R", help="R (recompute) or A (save all)"),
+    op: str = typer.Option(..., help="deltanet, gdn, kda, gdn2 or all"),
+    policy: str = typer.Option("R", help="R (recompute), A (save all) or both"),
     schedule: str = typer.Option("default", help="default, db, or a Schedule JSON file"),
     shapes: Optional[list[str]] = typer.Option(None, help="B,T,H; repeat the option or quote a list (\"1,512,4 1,2048,16\"); default: the paper's six"),
     head_dim: int = typer.Option(128, "--head-dim", help="K = V"),
     rounds: int = typer.Option(30, help="interleaved observations per side (>= 30)"),
     seed: int = typer.Option(0),
-    json_out: Optional[str] = typer.Option(None, "--json", help="write every sample to this JSON file"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes that compile ahead in parallel before timing (default: min(8, cores/2); 1: none)"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write every sample to this JSON file (several operators/policies: a directory of bench-OP-POLICY.json)"),
 ) -> None:
     """Time our complete backward against FLA's in one process (CUDA graphs, interleaved rounds)."""
     import torch
 
-    from rewy_tune.cli.bench import load_schedule, parse_shapes, run_bench, write_json
+    from rewy_tune.cli.bench import load_schedule, parse_shapes, run_many
     from rewy_tune.cli.verify import ALL_OPS
 
-    if op not in ALL_OPS:
-        _fail(f"--op: unknown operator {op!r}; accepted: {', '.join(ALL_OPS)}")
-    if policy not in ("R", "A"):
-        _fail(f"--policy: got {policy!r}; accepted: R, A")
+    ops = list(ALL_OPS) if op == "all" else [op]
+    if any(o not in ALL_OPS for o in ops):
+        _fail(f"--op: unknown operator {op!r}; accepted: {', '.join(ALL_OPS)}, all")
+    if policy not in ("R", "A", "both"):
+        _fail(f"--policy: got {policy!r}; accepted: R, A, both")
     if rounds < 30:
         _fail(f"--rounds: the measurement protocol needs at least 30, got {rounds}")
+    if jobs is not None and jobs < 1:
+        _fail(f"--jobs must be at least 1, got {jobs}")
     if not torch.cuda.is_available():
         _fail("bench needs a CUDA GPU (timings on the CPU interpreter are meaningless)")
+    policies = ["R", "A"] if policy == "both" else [policy]
     try:
         shape_list = parse_shapes(shapes)
-        sched = load_schedule(schedule, op, policy=policy, shape=shape_list[0], K=head_dim, V=head_dim)
+        runs = [(o, p, load_schedule(schedule, o, policy=p, shape=shape_list[0], K=head_dim, V=head_dim))
+                for o in ops for p in policies]
     except ValueError as exc:
         _fail(str(exc))
-    data = run_bench(op, policy, sched, shape_list, head_dim, head_dim, rounds, seed, console)
-    if json_out:
-        write_json(json_out, data)
-        console.print(f"wrote {json_out}")
+    raise typer.Exit(code=run_many(runs, shape_list, head_dim, rounds, seed, jobs, json_out, console))
 
 
 @app.command()

@@ -154,6 +154,15 @@ class _Side:
         return (time.perf_counter() - t0) * 1e3
 
 
+def run_once(op: str, fn: OpFn, shape: tuple[int, int, int], *, K: int = 128, V: int = 128,
+             device="cuda") -> None:
+    """One untimed forward and backward on benchmark inputs (compiles and autotunes what the shape needs)."""
+    side = _Side(op, fn, bench_inputs(op, shape, K, V, device))
+    side.forward()
+    side.backward()
+    torch.cuda.synchronize()
+
+
 def _time_graphs(graphs: list[torch.cuda.CUDAGraph], rounds: int) -> list[list[float]]:
     """Interleaved replays: round r times graphs[0], graphs[1], ... each once; one sync at the end."""
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -116,6 +116,8 @@ def _serve(conn, env: dict[str, str]) -> None:
                 reply = _gate(msg)
             elif msg["kind"] == "measure":
                 reply = _measure(msg)
+            elif msg["kind"] == "warm":
+                reply = _warm(msg)
             else:
                 reply = {"status": "runtime_error", "message": f"unknown request {msg['kind']!r}"}
         except Exception as exc:  # noqa: BLE001 - classified and reported, never raised
@@ -212,7 +214,44 @@ def _gate(msg: dict[str, Any]) -> dict[str, Any]:
     if differ:
         return {"status": "nondeterministic", "message": f"run twice, bitwise different: {', '.join(differ)}",
                 "errors": errors, "data": {"compile_s": compile_s}}
-    return {"status": STATUS_OK, "errors": errors, "data": {"compile_s": compile_s}}
+    data = {"compile_s": compile_s}
+    if msg.get("warm_shapes"):
+        t1 = time.perf_counter()
+        for shape in msg["warm_shapes"]:
+            try:
+                _warm_shape(msg, tuple(shape))
+            except Exception as exc:  # noqa: BLE001 - reported with the shape that failed
+                return {"status": classify(exc), "message": f"warm-up B,T,H={shape}: {type(exc).__name__}: {exc}"[:2000],
+                        "errors": errors, "data": data}
+        data["warm_s"] = time.perf_counter() - t1
+    return {"status": STATUS_OK, "errors": errors, "data": data}
+
+
+def _warm_shape(msg: dict[str, Any], shape: tuple[int, int, int]) -> None:
+    """One untimed forward and backward at a workload shape: Triton compiles the kernel variants this
+    shape needs into its on-disk cache, where the measuring process finds them."""
+    from rewy_tune import measure
+    from rewy_tune.schedule import Schedule
+
+    fn = measure.rewy_op_fn(msg["op"], msg["policy"], Schedule.from_dict(msg["schedule"]))
+    measure.run_once(msg["op"], fn, shape, K=msg["K"], V=msg["V"])
+
+
+def _warm(msg: dict[str, Any]) -> dict[str, Any]:
+    """`warmup.warm`'s request: each shape once, ours and (with_fla) FLA's, untimed."""
+    from rewy_tune import fla_baseline, measure
+
+    for shape in msg["shapes"]:
+        try:
+            _warm_shape(msg, tuple(shape))
+        except Exception as exc:  # noqa: BLE001 - reported with the shape that failed
+            return {"status": classify(exc), "message": f"ours B,T,H={shape}: {type(exc).__name__}: {exc}"[:2000]}
+        if msg.get("with_fla"):
+            if msg["op"] == "gdn":
+                fla_baseline.bypass_hopper_guard()
+            measure.run_once(msg["op"], fla_baseline.fla_op(msg["op"], msg["policy"]), tuple(shape),
+                             K=msg["K"], V=msg["V"])
+    return {"status": STATUS_OK}
 
 
 def _measure(msg: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,10 @@ Flow (architecture.md, Tuner):
    before compiling (status `constraint`, recorded, never compiled), run the gates and then time the
    workload shape by shape, reporting the running sum so `CannotBeatBestPruner` stops a trial that
    cannot beat the best. The trial row is written to the database, then the result is told to Optuna.
+   With `--compile-jobs N` (N > 1, the GPU default) a worker asks N trials at once, gates them in N
+   processes in parallel (each gate also runs every workload shape once, filling Triton's on-disk
+   cache) and then times them one by one in its single measuring process: compilation, not timing,
+   is what a GPU trial spends its time on, and timing must have the GPU to itself.
 3. Budget: `--trials` (per study) and/or `--time-budget`. Ctrl-C abandons running trials (they are
    re-enqueued) and marks the campaign interrupted. A SIGKILLed campaign's running trials are
    reconciled on `--resume`: a trial whose row reached the database is told its recorded result; one
@@ -101,6 +105,11 @@ class CampaignConfig:
     reps: int = 3
     promote_top: int = 3
     seed: int | None = None
+    # Gate processes per worker. Above 1 the worker asks that many trials at once, gates them in
+    # parallel (each gate also runs every workload shape once, so Triton's on-disk cache holds the
+    # compiled kernels) and then times them one by one in its measuring process: compilation is
+    # CPU-bound and dominates a GPU trial, timing must not share the GPU.
+    compile_jobs: int = 1
 
     @property
     def device_kind(self) -> str:
@@ -172,7 +181,9 @@ class CannotBeatBestPruner(optuna.pruners.BasePruner):
 
 
 def _sampler(seed: int | None):
-    return optuna.samplers.TPESampler(multivariate=True, group=True, n_startup_trials=5, seed=seed)
+    # constant_liar: trials asked together (parallel gates, several workers) are spread out, not repeated.
+    return optuna.samplers.TPESampler(multivariate=True, group=True, n_startup_trials=5, seed=seed,
+                                      constant_liar=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -348,6 +359,12 @@ class Campaign:
                 open_.append((n, st))
         return min(open_, key=lambda x: x[0])[1] if open_ else None
 
+    def _batch_size(self, st: StudyState) -> int:
+        k = max(1, self.config.compile_jobs)
+        if st.target is not None:
+            k = min(k, st.target - len(self._counted(st)))
+        return max(1, k)
+
     def run(self) -> None:
         """Run the worker loops to the budget; returns when done or stopped (Ctrl-C: `stop_now`)."""
         threads = []
@@ -375,20 +392,30 @@ class Campaign:
         cfg = self.config
         gpu = slot if (cfg.device_kind == "cuda" and cfg.workers > 1) else None
         worker = TrialWorker(device=cfg.device_kind, gpu_index=gpu)
-        self.workers.append(worker)
+        gaters = [TrialWorker(device=cfg.device_kind, gpu_index=gpu) for _ in range(cfg.compile_jobs)] \
+            if cfg.compile_jobs > 1 else [worker]
+        self.workers.extend({id(w): w for w in [worker, *gaters]}.values())
         try:
             while not self.stop.is_set() and self._budget_left():
                 st = self._next_study()
                 if st is None:
                     break
-                self._one_trial(st, worker)
+                batch = [t for t in (self._ask(st) for _ in range(self._batch_size(st))) if t is not None]
+                gates = self._gate_batch(batch, gaters)
+                for i, (pending, gate) in enumerate(zip(batch, gates)):
+                    if self.stop.is_set():
+                        for rest in batch[i:]:
+                            self._abandon(st, rest["trial"])
+                        break
+                    self._measure_and_tell(st, pending, gate, worker)
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not pass silently
             import traceback
 
             self.errors.append(f"worker {slot}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             self.stop.set()
         finally:
-            worker.stop()
+            for w in {id(w): w for w in [worker, *gaters]}.values():
+                w.stop()
 
     def _record(self, st: StudyState, trial, schedule: dict, status: str, *, message=None, errors=None,
                 samples=None, compile_s=None, bench_s=None) -> None:
@@ -405,9 +432,9 @@ class Campaign:
         st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
         st.study.enqueue_trial(dict(trial.params), user_attrs={"seed": f"re-run of {trial.number}"})
 
-    def _one_trial(self, st: StudyState, worker: TrialWorker) -> None:
-        from rewy_tune.db import queries
-
+    def _ask(self, st: StudyState) -> dict[str, Any] | None:
+        """Ask the study for a trial and build its task; a constraint violation is recorded and told
+        here (never compiled) and gives None."""
         cfg = self.config
         trial = st.study.ask()
         trial.set_user_attr("host", HOST)
@@ -421,19 +448,52 @@ class Campaign:
         except ValueError as exc:  # the space produced an invalid Schedule: a constraint violation
             self._record(st, trial, dict(trial.params), "constraint", message=str(exc))
             st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            return self._done(st)
+            self._done(st)
+            return None
         sched = schedule.to_dict()
         reason = search.constraint_violation(schedule, op=st.op, K=cfg.K, V=cfg.V, dtype=cfg.dtype,
                                              compute_capability=cfg.device.compute_capability)
         if reason is not None:  # rejected before compiling, recorded, never compiled
             self._record(st, trial, sched, "constraint", message=reason)
             st.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            return self._done(st)
+            self._done(st)
+            return None
         task = dict(op=st.op, policy=st.policy, K=cfg.K, V=cfg.V, schedule=sched, fault=fault,
                     device=cfg.device_kind, backend=kernel_backend(), seed=trial.number, reps=cfg.reps)
-        gate = worker.request({"kind": "gate", **task}, cfg.trial_timeout_s)
-        if self.stop.is_set():
-            return self._abandon(st, trial)
+        return {"trial": trial, "schedule": sched, "task": task, "shapes": st.shapes}
+
+    def _gate_batch(self, batch: list[dict[str, Any]], gaters: list[TrialWorker]) -> list:
+        """Gate a batch, one trial per gate process, all at once. With separate gate processes on a GPU
+        each gate also runs every workload shape once, so the measuring process finds the kernels
+        compiled in Triton's cache."""
+        if not batch:
+            return []
+        warm = self.config.compile_jobs > 1 and self.config.device_kind == "cuda"
+        results: list = [None] * len(batch)
+
+        def one(i: int) -> None:
+            p = batch[i]
+            msg = {"kind": "gate", **p["task"]}
+            if warm:
+                msg["warm_shapes"] = [list(x) for x in p["shapes"]]
+            results[i] = gaters[i % len(gaters)].request(msg, self.config.trial_timeout_s)
+
+        if len(batch) == 1 or len(gaters) == 1:
+            for i in range(len(batch)):
+                one(i)
+        else:
+            threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(batch))]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        return results
+
+    def _measure_and_tell(self, st: StudyState, pending: dict[str, Any], gate, worker: TrialWorker) -> None:
+        from rewy_tune.db import queries
+
+        cfg = self.config
+        trial, sched, task = pending["trial"], pending["schedule"], pending["task"]
         if gate.status != "ok":
             self._record(st, trial, sched, gate.status, message=gate.message, errors=gate.errors,
                          compile_s=gate.data.get("compile_s"))

@@ -202,6 +202,7 @@ def _safe_trials(db):
     (["--device", "h100", "--op", "gdn"], "h100"),
     (["--device", "cpu", "--op", "gdn", "--db", "postgresql://nobody@127.0.0.1:1/none"], "database"),
     (["--device", "cpu", "--op", "gdn", "--workload", "WL"], "K=500"),
+    (["--device", "cpu", "--op", "gdn", "--compile-jobs", "0"], "--compile-jobs must be at least 1"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
     wl = tmp_path / "wl.json"
@@ -214,3 +215,27 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], proc.stdout
     assert set(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.slow
+def test_parallel_gates_record_every_fault_once_and_promote_a_correct_winner(tmp_path):
+    """--compile-jobs 3: trials are asked three at a time and gated in three processes at once (a hang, a
+    segfault and good trials side by side); every trial is recorded exactly once with its status."""
+    db = str(tmp_path / "p.db")
+    env = _env(REWY_TUNE_TEST_FAULTS="1")
+    storage = str(tmp_path / "p.journal")
+    out = cli("--device", "cpu", "--op", "gdn", "--shapes", "1,64,1", "--trials", "8", "--db", db,
+              "--storage", storage, "--trial-timeout", "25", "--seed", "2", "--compile-jobs", "3", env=env)
+    (rows,) = _trials(db).values()
+    numbers = [n for n, _, _ in rows]
+    assert len(rows) == 8 and len(set(numbers)) == 8, out.stdout
+    statuses = {s for _, s, _ in rows}
+    assert {"timeout", "runtime_error", "incorrect", "nondeterministic", "compile_error", "ok"} <= statuses, out.stdout
+    dbo = open_db(db, read_only=True)
+    with dbo.session() as s:
+        (c,) = queries.campaigns(s)
+        (w,) = queries.winners(s)
+        assert w.schedule in [sch for _, st, sch in rows if st == "ok"]
+    dbo.close()
+    finished = _study_trials(storage, c.study_name)
+    assert sorted(t.number for t in finished) == sorted(numbers)
