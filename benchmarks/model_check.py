@@ -1,0 +1,773 @@
+"""Model-level check: one training step of small FLA models (KDA, Gated DeltaNet) with and without ReWY.
+
+    python -P benchmarks/model_check.py --force-triton --json results/model-check.json     # on the GPU
+    python -P benchmarks/model_check.py --dry-run                                          # on a CPU
+
+What it does, per model (`KDAForCausalLM`, `GatedDeltaNetForCausalLM` from flash-linear-attention 0.6.0,
+built from one seed, bf16, random token ids, cross-entropy loss):
+
+1. Correctness: one step (forward, loss, backward) in each mode, same weights and inputs:
+   - ``fla-stock``  FLA's layers unchanged, ReWY off;
+   - ``rewy-stock`` FLA's layers unchanged, ``rewy_tune.enable()``. FLA's layers call the chunk ops with
+     in-kernel q/k l2norm, gate activation, beta sigmoid and the V-first state layout, all outside the ReWY
+     envelope: every call falls back to FLA (the dispatch report says why). The check is that enabling
+     changes nothing.
+   - ``fla``        adapted layers, ReWY off. The adapter replaces the op name the layer calls and applies
+     the same activations outside the op with FLA's own autograd kernels (``l2norm``, ``fused_beta_sigmoid``,
+     ``fused_gdn_gate`` / ``fused_kda_gate``), then calls FLA's chunk op with plain arguments;
+   - ``rewy``       adapted layers, ``rewy_tune.enable()``: the same plain call, now routed through ReWY;
+   - ``oracle``     adapted layers, the chunk op in float64 (``rewy_tune`` backend="torch", the reference of
+     the correctness gates) on the same inputs; its output is cast back to the model dtype.
+   Every parameter gradient of ``rewy`` is compared with ``fla`` and with ``oracle`` (relative RMS error,
+   `rewy_tune.gates.compare`); a parameter passes when it is within the gates' threshold of either reference
+   (``ORDINARY_RTOL``; ``GATE_RTOL`` for parameters whose gradient comes only through the gate or beta:
+   ``a_proj``, ``f_proj``, ``b_proj``, ``A_log``, ``dt_bias``). The oracle is there because FLA itself is a
+   bf16 implementation and, on Hopper with Triton < 3.7.1, its gated ``chunk_bwd_dqkwg`` is known to be wrong
+   (FLA issue 640): FLA's guard against that is bypassed so its GDN backward runs at all.
+2. Timing: the four non-oracle modes, interleaved (the order rotates every round), ``--rounds`` rounds after
+   ``--warmup`` steps each; ``torch.cuda.Event`` around ``loss.backward()`` (backward) and around the whole
+   step (step); medians; speedup = FLA median / this median, FLA with the same layers (stock or adapted).
+
+KDA's Triton backward has passed the interpreter gates but not run on a GPU yet, so ``enable()`` (backend
+auto) does not route KDA; ``--force-triton`` makes ``enable()`` route every operator that has a Triton backward.
+The output says which routing was used. Exit status: 0 when every check of every model passed, 1 otherwise
+(2: bad arguments or no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from rewy_tune import fla_baseline  # sets FLA_FLASH_QLA=0, FLA_TILELANG=0 before fla is imported
+from rewy_tune import gates, measure
+
+import rewy_tune
+
+MODEL_CLASSES = {"kda": ("KDAConfig", "KDAForCausalLM"), "gdn": ("GatedDeltaNetConfig", "GatedDeltaNetForCausalLM")}
+# op -> (FLA layer module, name the layer calls, module defining the op (patched by rewy_tune.enable()))
+LAYER_BINDINGS = {
+    "kda": ("fla.layers.kda", "chunk_kda", "fla.ops.kda.chunk"),
+    "gdn": ("fla.layers.gated_deltanet", "chunk_gated_delta_rule", "fla.ops.gated_delta_rule.chunk"),
+}
+# Parameters whose gradient reaches them only through the op's gate or beta gradient (gate-like threshold).
+GATE_PATH = re.compile(r"(^|\.)(a_proj|f_proj|b_proj)(\.|$)|(^|\.)(A_log|dt_bias)$")
+
+# mode -> (layers: stock | adapted, rewy_tune.enable() during the step, adapter implementation, description)
+MODES = {
+    "fla-stock": ("stock", False, None, "FLA layers unchanged, ReWY off"),
+    "rewy-stock": ("stock", True, None, "FLA layers unchanged, rewy_tune.enable()"),
+    "fla": ("adapted", False, "fla", "adapted layers (activations outside the op), ReWY off"),
+    "rewy": ("adapted", True, "fla", "adapted layers, rewy_tune.enable()"),
+    "oracle": ("adapted", False, "oracle", "adapted layers, chunk op in float64 (rewy_tune backend='torch')"),
+}
+# --dry-run (CPU): no FLA Triton op can run, so the adapted modes use pure-torch stand-ins.
+DRY_MODES = {
+    "fla": ("adapted", False, "fla-naive", "stand-in: FLA's naive_recurrent_* op (torch)"),
+    "rewy": ("adapted", False, "rewy-torch", "stand-in: rewy_tune op, backend='torch' (no routing on a CPU)"),
+    "oracle": MODES["oracle"],
+}
+TIMED = ("fla-stock", "rewy-stock", "fla", "rewy")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# -- arguments ------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="kda,gdn", help="comma-separated: kda, gdn (default both)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
+    p.add_argument("--head-dim", type=int, default=128, help="K, the q/k head dim (default 128)")
+    p.add_argument("--heads", type=int, default=None, help="heads (default hidden // head-dim)")
+    p.add_argument("--expand-v", type=float, default=1.0,
+                   help="V = head-dim * expand-v, both models (default 1.0: K = V; FLA's GDN default is 2)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
+    p.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    p.add_argument("--seq-len", type=int, default=4096, help="T (default 4096)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model dtype (default bf16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", choices=("R", "A"), default="R", help="rewy_tune.enable(policy) (default R)")
+    p.add_argument("--force-triton", action="store_true",
+                   help="let enable() route every op with a Triton backward (KDA included), not only GPU-verified ones")
+    p.add_argument("--rounds", type=int, default=measure.MIN_ROUNDS,
+                   help=f"timed rounds per mode, >= 20 (default {measure.MIN_ROUNDS})")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per mode before timing (default 3)")
+    p.add_argument("--no-stock", action="store_true", help="skip the fla-stock / rewy-stock modes")
+    p.add_argument("--no-oracle", action="store_true", help="skip the float64 oracle (compare with FLA only)")
+    p.add_argument("--no-timing", action="store_true", help="correctness only")
+    p.add_argument("--keep-hopper-guard", action="store_true",
+                   help="do not bypass FLA's Hopper guard (FLA issue 640): FLA's GDN backward then raises")
+    p.add_argument("--json", metavar="PATH", help="write every result (samples included) to PATH")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU: tiny models, pure-torch stand-ins for the ops, no GPU; checks the script end to end")
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in MODEL_CLASSES]
+    if bad or not args.models:
+        p.error(f"--models: unknown {bad}; accepted: {', '.join(MODEL_CLASSES)}")
+    if args.dry_run:
+        args.hidden, args.layers, args.head_dim, args.heads, args.vocab = 64, 2, 16, 4, 256
+        args.batch, args.seq_len, args.dtype, args.rounds, args.warmup = 1, 100, "fp32", 2, 1
+        args.no_stock = True
+    elif args.rounds < 20:
+        p.error(f"--rounds must be >= 20, got {args.rounds}")
+    if args.heads is None:
+        args.heads = max(1, args.hidden // args.head_dim)
+    v_dim = args.head_dim * args.expand_v
+    if v_dim != int(v_dim):
+        p.error(f"--head-dim * --expand-v must be an integer, got {v_dim}")
+    return args
+
+
+# -- the layer adapter: in-kernel activations outside the op, then a plain call ----------------------------
+
+def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class LayerAdapter:
+    """Replaces the chunk-op name in FLA's KDA / GatedDeltaNet layer modules with a function that applies
+    the in-kernel activations (q/k l2norm, beta sigmoid, gate) itself and calls the op with plain arguments.
+    `impl` picks the op: "fla" (the defining module's function, looked up at each call, so the one
+    `rewy_tune.enable()` installed while enabled), "oracle" (float64 rewy_tune op, backend torch),
+    "fla-naive" / "rewy-torch" (CPU stand-ins). `fused` picks FLA's autograd Triton kernels for the
+    activations (GPU) or their torch equivalents (CPU)."""
+
+    def __init__(self, fused: bool):
+        self.fused = fused
+        self.impl = "fla"
+        self.policy = "R"
+        self.saved: dict[str, object] = {}
+        self.passthrough = 0  # calls the adapter could not express, sent to FLA unchanged
+
+    def install(self) -> None:
+        for op, (mod, name, _) in LAYER_BINDINGS.items():
+            if op in self.saved:
+                continue
+            module = importlib.import_module(mod)
+            self.saved[op] = getattr(module, name)
+            setattr(module, name, self._make(op, self.saved[op]))
+
+    def remove(self) -> None:
+        for op, original in list(self.saved.items()):
+            mod, name, _ = LAYER_BINDINGS[op]
+            setattr(importlib.import_module(mod), name, original)
+            del self.saved[op]
+
+    def _activations(self, op):
+        if self.fused:
+            from fla.modules.norm.l2norm import l2norm
+            from fla.ops.common.gate import fused_beta_sigmoid
+            if op == "kda":
+                from fla.ops.kda.gate import fused_kda_gate as gate
+            else:
+                from fla.ops.gated_delta_rule.gate import fused_gdn_gate as gate
+            return l2norm, (lambda b, s: fused_beta_sigmoid(b, scale=s)), gate
+        from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+        from fla.ops.kda.gate import naive_kda_gate
+
+        return _torch_l2norm, (lambda b, s: b.float().sigmoid() * s), (naive_kda_gate if op == "kda" else naive_gdn_gate)
+
+    def _make(self, op, original):
+        adapter = self
+        _, name, defining = LAYER_BINDINGS[op]
+
+        def adapted(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                    allow_neg_eigval=False, state_v_first=False, A_log=None, dt_bias=None, cu_seqlens=None,
+                    safe_gate=False, lower_bound=None, **kwargs):
+            if cu_seqlens is not None or safe_gate or lower_bound is not None or kwargs or v.shape[2] != q.shape[2]:
+                adapter.passthrough += 1
+                return original(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                                state_v_first=state_v_first, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                                **({"safe_gate": safe_gate, "lower_bound": lower_bound} if op == "kda" else {}), **kwargs)
+            l2norm, beta_sigmoid, gate = adapter._activations(op)
+            if use_qk_l2norm_in_kernel:
+                q, k = l2norm(q), l2norm(k)
+            if use_beta_sigmoid_in_kernel:  # FLA: allow_neg_eigval acts only together with the in-kernel sigmoid
+                beta = beta_sigmoid(beta, 2.0 if allow_neg_eigval else 1.0)
+            if use_gate_in_kernel:
+                g = gate(g, A_log, dt_bias)
+            h0 = initial_state
+            if h0 is not None and state_v_first:
+                h0 = h0.transpose(-1, -2).contiguous()
+            o, ht = adapter._call(op, name, defining, q, k, v, g, beta, scale, h0, output_final_state)
+            if ht is not None and state_v_first:
+                ht = ht.transpose(-1, -2).contiguous()
+            return o, ht
+
+        adapted.__rewy_model_check_adapter__ = op
+        return adapted
+
+    def _call(self, op, name, defining, q, k, v, g, beta, scale, h0, output_final_state):
+        if self.impl == "fla":
+            fn = getattr(importlib.import_module(defining), name)  # rewy_tune's wrapper while enabled
+            return fn(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state)
+        ours = getattr(rewy_tune, f"chunk_{op}")
+        if self.impl == "oracle":
+            d = torch.float64
+            o, ht = ours(q.to(d), k.to(d), v.to(d), g.to(d), beta.to(d), scale=scale,
+                         initial_state=None if h0 is None else h0.to(d), output_final_state=output_final_state,
+                         policy="R", backend="torch")
+            return o.to(v.dtype), (None if ht is None else ht.float())
+        if self.impl == "rewy-torch":
+            return ours(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
+                        policy=self.policy, backend="torch")
+        if self.impl == "fla-naive":
+            if op == "kda":
+                from fla.ops.kda.naive import naive_recurrent_kda as naive
+            else:
+                from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule as naive
+            o, ht = naive(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
+                          output_final_state=output_final_state)
+            return o.to(v.dtype), ht
+        raise ValueError(f"unknown adapter implementation {self.impl!r}")
+
+
+@contextlib.contextmanager
+def routing(force_triton: bool):
+    """`--force-triton`: enable()'s envelope admits every operator with a Triton backward (fla_patch consults
+    `_triton_ops()` for the GPU-verified list; this swaps in ops._triton_ops, the implemented list)."""
+    from rewy_tune import fla_patch, ops
+
+    saved = fla_patch._triton_ops
+    if force_triton:
+        fla_patch._triton_ops = ops._triton_ops
+    try:
+        yield sorted(fla_patch._triton_ops())
+    finally:
+        fla_patch._triton_ops = saved
+
+
+class Harness:
+    """Switches between modes: ReWY off, layers stock or adapted, ReWY on (always in that order)."""
+
+    def __init__(self, args, device, modes):
+        self.args, self.device, self.modes = args, device, modes
+        self.adapter = LayerAdapter(fused=device.type == "cuda")
+        self.adapter.policy = args.policy
+        self.cuda = device.type == "cuda"
+
+    def set_mode(self, mode: str | None) -> None:
+        rewy_tune.disable()
+        if mode is None:
+            self.adapter.remove()
+            return
+        layers, enable, impl, _ = self.modes[mode]
+        if layers == "stock":
+            self.adapter.remove()
+        else:
+            self.adapter.install()
+            self.adapter.impl = impl
+        if enable:
+            rewy_tune.enable(self.args.policy)
+
+    def step(self, model, ids) -> tuple[float, float, torch.Tensor]:
+        """(backward ms, step ms, loss) of one forward + cross-entropy + backward; gradients left in .grad."""
+        model.zero_grad(set_to_none=True)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            mid.record()
+            loss.backward()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return mid.elapsed_time(end), start.elapsed_time(end), loss.detach()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        return (t2 - t1) * 1e3, (t2 - t0) * 1e3, loss.detach()
+
+
+# -- models -----------------------------------------------------------------------------------------------
+
+def make_config(kind: str, args):
+    import fla.models
+
+    cls = getattr(fla.models, MODEL_CLASSES[kind][0])
+    kw = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, head_dim=args.head_dim, num_heads=args.heads,
+              expand_v=args.expand_v, vocab_size=args.vocab, max_position_embeddings=max(2048, args.seq_len),
+              use_cache=False)
+    if args.dry_run:  # CPU: no Triton kernels outside the op (short conv, fused norms, swiglu, cross-entropy)
+        kw.update(use_short_conv=False, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False)
+    return cls(**kw)
+
+
+def build_model(kind: str, config, args, device, dtype):
+    import fla.models
+
+    cls = getattr(fla.models, MODEL_CLASSES[kind][1])
+    torch.manual_seed(args.seed)
+    model = cls(config)  # initialised on the CPU in fp32: the same weights on every machine for one seed
+    return model.to(device=device, dtype=dtype).train()
+
+
+@contextlib.contextmanager
+def cpu_standins():
+    """--dry-run: FLA's FusedRMSNormGated and swiglu are Triton-only; torch forwards with the same formulas."""
+    import fla.modules.mlp as mlp
+    from fla.modules import FusedRMSNormGated
+
+    def rms_norm_gated(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+        if residual is not None or prenorm:
+            raise NotImplementedError("dry-run stand-in: no residual / prenorm")
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        gf = g.float()
+        return (y * (gf.sigmoid() if self.activation == "sigmoid" else F.silu(gf))).to(x.dtype)
+
+    saved = FusedRMSNormGated.forward, mlp.swiglu
+    FusedRMSNormGated.forward = rms_norm_gated
+    mlp.swiglu = lambda x, y: (F.silu(x.float()) * y.float()).to(x.dtype)
+    try:
+        yield
+    finally:
+        FusedRMSNormGated.forward, mlp.swiglu = saved
+
+
+# -- comparison -------------------------------------------------------------------------------------------
+
+def compare_grads(case: str, got: dict, ref: dict) -> list[gates.TensorCheck]:
+    """`gates.compare` for every parameter: relative RMS error against `gates.ORDINARY_RTOL`, or `GATE_RTOL` for
+    gate-path parameters. The gates' absolute floors (for near-zero op outputs) are not used here: the scale of
+    a parameter gradient depends on the loss normalisation, so only the relative error (or exact equality)
+    passes."""
+    out = []
+    for name, ref_grad in ref.items():
+        check = gates.compare(case, name, ref_grad, got.get(name))
+        rtol = gates.GATE_RTOL if GATE_PATH.search(name) else gates.ORDINARY_RTOL
+        out.append(dataclasses.replace(check, rtol=rtol, atol=0.0))
+    return out
+
+
+def _summary(checks: list[gates.TensorCheck]) -> dict:
+    worst = max(checks, key=lambda c: (not c.finite, c.rel_rms if not math.isnan(c.rel_rms) else math.inf))
+    return dict(worst_rel_rms=worst.rel_rms, worst_param=worst.tensor, failed=[c.tensor for c in checks if not c.passed],
+                params=[dict(param=c.tensor, rel_rms=c.rel_rms, max_abs=c.max_abs, rtol=c.rtol, atol=c.atol,
+                             finite=c.finite, passed=c.passed) for c in checks])
+
+
+def _few(names: list[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b != 0 else (0.0 if a == b else math.inf)
+
+
+def _pct(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return str(x)
+    return f"{100 * x:.3g}%"
+
+
+# -- one model --------------------------------------------------------------------------------------------
+
+def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
+    res: dict = {"model": MODEL_CLASSES[kind][1], "errors": {}, "modes": {}, "comparisons": {}, "checks": [],
+                 "timing": {}}
+    config = make_config(kind, args)
+    model = build_model(kind, config, args, device, dtype)
+    V = int(args.head_dim * args.expand_v)
+    res["shape"] = dict(B=args.batch, T=args.seq_len, H=args.heads, K=args.head_dim, V=V, hidden=args.hidden,
+                        layers=args.layers, vocab=args.vocab, dtype=args.dtype)
+    res["parameters"] = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen).to(device)
+    print(f"\n=== {res['model']}: {res['parameters'] / 1e6:.1f} M parameters, B={args.batch} T={args.seq_len} "
+          f"H={args.heads} K={args.head_dim} V={V}, {args.layers} layers, hidden {args.hidden}, {args.dtype}", flush=True)
+
+    modes = [m for m in harness.modes if not (args.no_oracle and m == "oracle")]
+    grads: dict[str, dict] = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        try:
+            harness.set_mode(mode)
+            rewy_tune.reset_report()
+            harness.adapter.passthrough = 0
+            _, _, loss = harness.step(model, ids)
+            loss = float(loss)
+            grads[mode] = {n: (p.grad.detach().clone() if p.grad is not None else None)
+                           for n, p in model.named_parameters()}
+            rec = dict(loss=loss, adapter_passthrough=harness.adapter.passthrough,
+                       first_step_s=time.perf_counter() - t0)
+            if harness.modes[mode][1]:
+                rec["report"] = rewy_tune.report()
+            res["modes"][mode] = rec
+            print(f"[{mode}] loss {loss:.6f}  ({time.perf_counter() - t0:.1f} s, first step, compilation included)",
+                  flush=True)
+            if harness.modes[mode][1]:
+                rewy_tune.print_report(file=sys.stdout)
+        except Exception as exc:  # noqa: BLE001 - one failing mode is reported, the others still run
+            res["errors"][mode] = f"{type(exc).__name__}: {exc}"
+            print(f"[{mode}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc(limit=-6, file=sys.stdout)
+        finally:
+            harness.set_mode(None)
+            model.zero_grad(set_to_none=True)
+
+    pairs = [("rewy vs fla", "rewy", "fla"), ("rewy vs oracle", "rewy", "oracle"), ("fla vs oracle", "fla", "oracle"),
+             ("fla vs fla-stock", "fla", "fla-stock"), ("rewy-stock vs fla-stock", "rewy-stock", "fla-stock")]
+    for label, got, ref in pairs:
+        if got in grads and ref in grads:
+            summary = _summary(compare_grads(f"{kind} {label}", grads[got], grads[ref]))
+            summary["loss_abs_diff"] = abs(res["modes"][got]["loss"] - res["modes"][ref]["loss"])
+            summary["loss_rel_diff"] = _rel(res["modes"][got]["loss"], res["modes"][ref]["loss"])
+            res["comparisons"][label] = summary
+    del grads
+    _print_worst(res)
+
+    if not args.no_timing:
+        try:
+            res["timing"] = time_modes(model, ids, harness, [m for m in TIMED if m in res["modes"]], args)
+        except Exception as exc:  # noqa: BLE001
+            res["errors"]["timing"] = f"{type(exc).__name__}: {exc}"
+            print(f"[timing] FAILED: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc(limit=-6, file=sys.stdout)
+        finally:
+            harness.set_mode(None)
+    res["checks"] = verdict_checks(res, args)
+    res["passed"] = all(c["passed"] for c in res["checks"])
+    return res
+
+
+def _print_worst(res: dict, n: int = 5) -> None:
+    for label in ("rewy vs fla", "rewy vs oracle", "fla vs oracle"):
+        comp = res["comparisons"].get(label)
+        if not comp:
+            continue
+        rows = sorted(comp["params"], key=lambda d: -(d["rel_rms"] / d["rtol"]) if not math.isnan(d["rel_rms"]) else -math.inf)
+        print(f"  {label}: worst gradients (rel-RMS / threshold), |d loss| = {comp['loss_abs_diff']:.3g}")
+        for d in rows[:n]:
+            print(f"    {d['param']:<48s} {_pct(d['rel_rms']):>9s} / {_pct(d['rtol']):>5s}  "
+                  f"{'ok' if d['passed'] else 'OVER'}")
+
+
+def time_modes(model, ids, harness: Harness, modes: list[str], args) -> dict:
+    samples = {m: {"backward_ms": [], "step_ms": []} for m in modes}
+    for mode in modes:
+        harness.set_mode(mode)
+        for _ in range(args.warmup):
+            harness.step(model, ids)
+    rewy_tune.reset_report()
+    for r in range(args.rounds):
+        for i in range(len(modes)):
+            mode = modes[(i + r) % len(modes)]
+            harness.set_mode(mode)
+            bwd, step, _ = harness.step(model, ids)
+            samples[mode]["backward_ms"].append(bwd)
+            samples[mode]["step_ms"].append(step)
+    harness.set_mode(None)
+    model.zero_grad(set_to_none=True)
+    out = {"rounds": args.rounds, "warmup": args.warmup, "report_during_timing": rewy_tune.report(), "modes": {}}
+    for mode in modes:
+        s = samples[mode]
+        base = "fla-stock" if MODES[mode][0] == "stock" else "fla"
+        d = dict(s, median_backward_ms=statistics.median(s["backward_ms"]), median_step_ms=statistics.median(s["step_ms"]),
+                 baseline=base)
+        if base in samples:
+            b = samples[base]
+            d["speedup_backward"] = statistics.median(b["backward_ms"]) / d["median_backward_ms"]
+            d["speedup_step"] = statistics.median(b["step_ms"]) / d["median_step_ms"]
+            d["paired_speedup_backward"] = statistics.median(x / y for x, y in zip(b["backward_ms"], s["backward_ms"]))
+        out["modes"][mode] = d
+    if "rewy" in samples and "fla-stock" in samples:
+        out["rewy_adapted_vs_fla_stock_step"] = (statistics.median(samples["fla-stock"]["step_ms"])
+                                                 / statistics.median(samples["rewy"]["step_ms"]))
+    return out
+
+
+def verdict_checks(res: dict, args) -> list[dict]:
+    checks = []
+
+    def add(name, passed, detail):
+        checks.append(dict(name=name, passed=bool(passed), detail=detail))
+
+    errors, modes, comps = res["errors"], res["modes"], res["comparisons"]
+    for mode, err in errors.items():
+        add(f"{mode} ran", False, err)
+    if "rewy" in modes:
+        if args.dry_run:
+            add("routed through ReWY", True, "n/a in --dry-run (CPU stand-ins, no routing)")
+        else:
+            rep = modes["rewy"]["report"]
+            reasons = "; ".join(f"{d['op']}: {d['reason']} ({d['calls']})" for d in rep["fallbacks"])
+            hint = " (--force-triton routes it)" if "no ReWY Triton backward" in reasons else ""
+            add("routed through ReWY", rep["routed_calls"] > 0 and rep["fallback_calls"] == 0,
+                f"{rep['routed_calls']} call(s) routed, {rep['fallback_calls']} fell back"
+                + (f": {reasons}{hint}" if reasons else ""))
+        refs = [(r, comps.get(f"rewy vs {r}")) for r in ("fla", "oracle")]
+        refs = [(r, c) for r, c in refs if c is not None]
+        if not refs:
+            add("gradients", False, "no reference ran (fla and oracle both missing)")
+        else:
+            loss_ok = any(c["loss_rel_diff"] <= gates.ORDINARY_RTOL for _, c in refs)
+            add("loss", loss_ok, ", ".join(f"|d loss| vs {r} {c['loss_abs_diff']:.3g} ({_pct(c['loss_rel_diff'])})"
+                                         for r, c in refs) + f"; threshold {_pct(gates.ORDINARY_RTOL)} relative")
+            failing = set.intersection(*(set(c["failed"]) for _, c in refs))
+            add("gradients", not failing,
+                ", ".join(f"worst vs {r} {_pct(c['worst_rel_rms'])} ({c['worst_param']})" for r, c in refs)
+                + (f"; over the threshold of every reference: {_few(sorted(failing))}" if failing else
+                   f"; every parameter within {_pct(gates.ORDINARY_RTOL)} ({_pct(gates.GATE_RTOL)} gate path) "
+                   "of at least one reference"))
+    through = {m: r["adapter_passthrough"] for m, r in modes.items() if r.get("adapter_passthrough")}
+    if any(MODES.get(m, ("stock",))[0] == "adapted" for m in modes):
+        add("adapter handled every call", not through,
+            f"calls sent to FLA unchanged by the adapter: {through}" if through else "no call passed through unchanged")
+    c = comps.get("fla vs fla-stock")
+    if c is not None:
+        add("adapter = stock FLA layer", not c["failed"],
+            f"worst {_pct(c['worst_rel_rms'])} ({c['worst_param']}), |d loss| {c['loss_abs_diff']:.3g}"
+            + (f"; over: {_few(c['failed'])}" if c["failed"] else ""))
+    c = comps.get("rewy-stock vs fla-stock")
+    if c is not None:
+        rep = modes["rewy-stock"]["report"]
+        add("enable() on stock layers changes nothing wrong", not c["failed"],
+            f"{rep['routed_calls']} routed / {rep['fallback_calls']} fell back; worst {_pct(c['worst_rel_rms'])}"
+            + (f"; over: {_few(c['failed'])}" if c["failed"] else ""))
+    if not checks:
+        add("anything ran", False, "no mode produced a result")
+    return checks
+
+
+# -- output -----------------------------------------------------------------------------------------------
+
+def print_summary(results: dict, args) -> None:
+    print(f"\n=== summary: {args.dtype}, B={args.batch}, T={args.seq_len}, hidden {args.hidden}, {args.layers} layers, "
+          f"head dim {args.head_dim}, expand_v {args.expand_v}, policy {args.policy}")
+    print(f"    gradient thresholds (rewy_tune.gates): rel-RMS <= {_pct(gates.ORDINARY_RTOL)}, "
+          f"{_pct(gates.GATE_RTOL)} for gate/beta-path parameters; speedup = FLA median / this median, "
+          f"FLA with the same layers (stock or adapted)")
+    if args.dry_run:
+        print("    DRY RUN: CPU stand-ins for the ops; the times below are not a measurement")
+    head = (f"{'model':<6s} {'mode':<10s} {'ReWY calls':>13s} {'loss':>10s} {'|d loss|':>9s} "
+            f"{'worst grad rel-RMS':<42s} {'bwd ms':>8s} {'step ms':>8s} {'bwd x':>6s} {'step x':>6s}")
+    print(head)
+    print("-" * len(head))
+    for kind, res in results.items():
+        name = kind.upper()
+        if "modes" not in res:
+            print(f"{name:<6s} ERROR {res.get('error', '?')}")
+            continue
+        comps, timing = res["comparisons"], res.get("timing", {}).get("modes", {})
+        refs = {"fla-stock": [], "rewy-stock": ["fla-stock"], "fla": ["fla-stock", "oracle"], "rewy": ["fla", "oracle"],
+                "oracle": []}
+        for mode in (*MODES, *[m for m in res["modes"] if m not in MODES]):
+            rec = res["modes"].get(mode)
+            if rec is None and mode not in res["errors"]:
+                continue
+            if rec is None:
+                print(f"{name:<6s} {mode:<10s} FAILED: {res['errors'][mode][:100]}")
+                continue
+            rep = rec.get("report")
+            calls = f"{rep['routed_calls']}/{rep['routed_calls'] + rep['fallback_calls']} routed" if rep else "-"
+            worst, dloss = [], "ref"
+            for ref in refs.get(mode, []):
+                c = comps.get(f"{mode} vs {ref}")
+                if c is not None:
+                    worst.append(f"{_pct(c['worst_rel_rms'])} vs {ref}")
+                    if dloss == "ref":
+                        dloss = f"{c['loss_abs_diff']:.2g}"
+            t = timing.get(mode, {})
+            fmt = (lambda k, f: f.format(t[k]) if k in t else "-")
+            print(f"{name:<6s} {mode:<10s} {calls:>13s} {rec['loss']:>10.5f} {dloss:>9s} {', '.join(worst) or 'ref':<42s} "
+                  f"{fmt('median_backward_ms', '{:.3f}'):>8s} {fmt('median_step_ms', '{:.3f}'):>8s} "
+                  f"{fmt('speedup_backward', '{:.3f}'):>6s} {fmt('speedup_step', '{:.3f}'):>6s}")
+        e2e = res.get("timing", {}).get("rewy_adapted_vs_fla_stock_step")
+        if e2e is not None:
+            print(f"{name:<6s} step time, rewy (adapted layers) vs fla-stock: {e2e:.3f}x")
+    for kind, res in results.items():
+        verdict = "PASS" if res.get("passed") else "FAIL"
+        print(f"\n{kind.upper()}: {verdict}")
+        if "error" in res:
+            print(f"  error: {res['error']}")
+        for c in res.get("checks", []):
+            print(f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}")
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+# -- dry run extras ---------------------------------------------------------------------------------------
+
+def dry_run_plumbing(args, raw_argv: list[str]) -> list[str]:
+    """CPU checks of what the GPU run relies on: configs at the requested GPU size build, the adapter and
+    enable()/disable() bindings compose and restore, --force-triton widens the routed set."""
+    from rewy_tune import fla_patch, ops
+
+    notes = []
+    try:
+        gpu_args = parse_args([a for a in raw_argv if a != "--dry-run"])
+    except SystemExit:
+        gpu_args = parse_args([])
+    for kind in gpu_args.models:
+        cfg = make_config(kind, gpu_args)
+        cls = getattr(importlib.import_module("fla.models"), MODEL_CLASSES[kind][1])
+        with torch.device("meta"):
+            n = sum(p.numel() for p in cls(cfg).parameters())
+        notes.append(f"GPU-size {MODEL_CLASSES[kind][1]}: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
+                     f"{cfg.num_heads} heads x head_dim {cfg.head_dim}, expand_v {cfg.expand_v}, vocab {cfg.vocab_size}: "
+                     f"{n / 1e6:.1f} M parameters")
+    harness = Harness(args, torch.device("cpu"), MODES)
+    originals = {op: getattr(importlib.import_module(mod), name) for op, (mod, name, _) in LAYER_BINDINGS.items()}
+
+    def bound(module_name, name):
+        return getattr(importlib.import_module(module_name), name)
+
+    try:
+        harness.set_mode("rewy")
+        for op, (mod, name, defining) in LAYER_BINDINGS.items():
+            assert getattr(bound(mod, name), "__rewy_model_check_adapter__", None) == op, f"adapter not installed ({op})"
+            assert getattr(bound(defining, name), "__rewy_op__", None) == op, f"enable() did not patch {defining}.{name}"
+        harness.set_mode("fla-stock")
+        for op, (mod, name, defining) in LAYER_BINDINGS.items():
+            assert bound(mod, name) is originals[op], f"{mod}.{name} not restored"
+            assert not hasattr(bound(defining, name), "__rewy_op__"), f"{defining}.{name} still patched"
+        harness.set_mode("rewy-stock")
+        for op, (mod, name, _) in LAYER_BINDINGS.items():
+            assert getattr(bound(mod, name), "__rewy_op__", None) == op, f"enable() did not patch {mod}.{name}"
+    finally:
+        harness.set_mode(None)
+    for op, (mod, name, _) in LAYER_BINDINGS.items():
+        assert bound(mod, name) is originals[op], f"{mod}.{name} not restored at the end"
+    notes.append("adapter and enable()/disable(): layer and op bindings installed, patched and restored as expected")
+    fused = LayerAdapter(fused=True)
+    for op in LAYER_BINDINGS:
+        l2norm, _, gate = fused._activations(op)  # the GPU run's activation kernels import and accept the call
+        inspect.signature(gate).bind(torch.zeros(1), torch.zeros(1), torch.zeros(1))
+        inspect.signature(l2norm).bind(torch.zeros(1))
+    notes.append("GPU activation kernels (fla l2norm, fused_beta_sigmoid, fused_kda_gate, fused_gdn_gate) import")
+    with routing(True) as forced:
+        assert "kda" in fla_patch._triton_ops(), "--force-triton did not admit kda"
+    notes.append(f"routing: enable() routes {sorted(ops._auto_ops())} by default, {forced} with --force-triton")
+    return notes
+
+
+# -- main -------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    raw_argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(raw_argv)
+    try:
+        import fla.models  # noqa: F401 - flash-linear-attention (the `models` extra) provides fla.models
+    except ImportError as exc:
+        print(f"cannot import fla.models ({exc}): pip install 'rewy-tune[models]' "
+              "(flash-linear-attention==0.6.0 and transformers)", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        device, modes = torch.device("cpu"), DRY_MODES
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA GPU: this check runs on a GPU; --dry-run checks the script on a CPU", file=sys.stderr)
+            return 2
+        device, modes = torch.device("cuda", torch.cuda.current_device()), MODES
+        if args.no_stock:
+            modes = {m: v for m, v in MODES.items() if v[0] != "stock"}
+    dtype = DTYPES[args.dtype]
+    harness = Harness(args, device, modes)
+    versions = measure.software_versions()
+    try:
+        from importlib.metadata import version
+
+        versions["flash-linear-attention"] = version("flash-linear-attention")
+        versions["transformers"] = version("transformers")
+    except Exception:  # noqa: BLE001
+        pass
+    out = dict(script="benchmarks/model_check.py", argv=raw_argv,
+               args={k: v for k, v in vars(args).items()}, versions=versions,
+               thresholds=dict(ordinary_rtol=gates.ORDINARY_RTOL, gate_rtol=gates.GATE_RTOL,
+                               atol="not used at model level (gradient scale depends on the loss normalisation)",
+                               gate_path_params=GATE_PATH.pattern, loss_rtol=gates.ORDINARY_RTOL),
+               modes={m: v[3] for m, v in modes.items()}, models={})
+    print("rewy-tune model check  " + "  ".join(f"{k} {v}" for k, v in versions.items()))
+    with contextlib.ExitStack() as stack:
+        routed = stack.enter_context(routing(args.force_triton))
+        from rewy_tune.kernels.triton_function import GPU_VERIFIED_OPS
+
+        if args.force_triton:
+            route_note = (f"--force-triton: enable() routes every op with a Triton backward {routed} "
+                          f"(GPU-verified: {list(GPU_VERIFIED_OPS)}; the others have passed the interpreter gates only)")
+        else:
+            route_note = (f"enable() with backend auto: routes the GPU-verified ops {routed}; KDA falls back to FLA "
+                          "unless --force-triton")
+        print("routing: " + route_note)
+        out["routing"] = dict(force_triton=args.force_triton, routed_ops=routed, gpu_verified_ops=list(GPU_VERIFIED_OPS),
+                              note=route_note)
+        if args.dry_run:
+            stack.enter_context(cpu_standins())
+            print("dry run: CPU, tiny models, no short conv / fused norm / fused loss; ops: "
+                  + "; ".join(f"{m} = {v[3]}" for m, v in modes.items()))
+            try:
+                out["dry_run_plumbing"] = dry_run_plumbing(args, raw_argv)
+                for note in out["dry_run_plumbing"]:
+                    print("  " + note)
+            except Exception as exc:  # noqa: BLE001
+                out["dry_run_plumbing_error"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc(limit=-6, file=sys.stdout)
+        else:
+            bypassed = False if args.keep_hopper_guard else fla_baseline.bypass_hopper_guard()
+            out["hopper_guard_bypassed"] = bypassed
+            if bypassed:
+                print("FLA's Hopper guard for gated chunk_bwd_dqkwg (FLA issue 640, Triton < 3.7.1) is BYPASSED so that "
+                      "FLA's GDN backward runs: FLA's GDN gradients may be wrong here; ReWY is also checked against the "
+                      "float64 oracle")
+        for kind in args.models:
+            try:
+                out["models"][kind] = run_model(kind, args, harness, device, dtype)
+            except Exception as exc:  # noqa: BLE001 - one failing model still reports the others
+                out["models"][kind] = dict(model=MODEL_CLASSES[kind][1], error=f"{type(exc).__name__}: {exc}",
+                                           passed=False, checks=[])
+                print(f"\n{kind}: FAILED before any result: {type(exc).__name__}: {exc}", flush=True)
+                traceback.print_exc(limit=-6, file=sys.stdout)
+            finally:
+                harness.set_mode(None)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print_summary(out["models"], args)
+    out["passed"] = all(r.get("passed") for r in out["models"].values()) and "dry_run_plumbing_error" not in out
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(_jsonable(out), f, indent=1)
+        print(f"\nwrote {args.json}")
+    print(f"\nmodel check: {'PASS' if out['passed'] else 'FAIL'}")
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
