@@ -123,7 +123,8 @@ def bench(
                 for o in ops for p in policies]
     except ValueError as exc:
         _fail(str(exc))
-    raise typer.Exit(code=run_many(runs, shape_list, head_dim, rounds, seed, jobs, json_out, console))
+    raise typer.Exit(code=run_many(runs, shape_list, head_dim, head_dim, rounds, seed, jobs,
+                                           json_out, console))
 
 
 @app.command()

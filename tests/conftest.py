@@ -18,3 +18,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With REWY_TEST_REPORT=FILE each test's outcome (and a failure's traceback) is appended as soon as it
+    is known: a GPU run cut short by its time limit still says what failed and how long each test took."""
+    path = os.environ.get("REWY_TEST_REPORT")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller receives every report too
+        return
+    if not path or not (report.when == "call" or report.failed):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.outcome.upper()} {report.nodeid} [{report.when}] {report.duration:.1f}s\n")
+        if report.failed:
+            f.write(str(report.longrepr)[-2500:] + "\n\n")

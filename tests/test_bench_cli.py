@@ -73,3 +73,37 @@ def test_bench_all_policies_with_compile_ahead_writes_one_json_per_run(tmp_path)
     for policy in ("R", "A"):
         data = json.loads((tmp_path / "out" / f"bench-gdn-{policy}.json").read_text())
         assert data["policy"] == policy and data["geomean_speedup"] > 0
+
+
+def test_bench_many_runs_compiles_ahead_then_writes_one_json_each(tmp_path, monkeypatch):
+    """The CLI path end to end with the GPU parts replaced: the option plumbing, the compile-ahead tasks
+    (one per head count), a failing run reported while the others go on, and the files written."""
+    import torch
+    from typer.testing import CliRunner
+
+    from rewy_tune import warmup
+    from rewy_tune.cli import bench as bench_mod
+    from rewy_tune.cli.main import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    warmed = []
+    monkeypatch.setattr(warmup, "warm", lambda tasks, jobs: warmed.extend(tasks) or
+                        [warmup.WarmResult(t, "ok", 0.0) for t in tasks])
+
+    def fake_run_bench(op, policy, schedule, shapes, K, V, rounds, seed, console):
+        if op == "kda":
+            raise RuntimeError("boom")
+        return {"op": op, "policy": policy, "K": K, "V": V, "rounds": rounds, "geomean_speedup": 1.0,
+                "shapes": [list(s) for s in shapes]}
+
+    monkeypatch.setattr(bench_mod, "run_bench", fake_run_bench)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "--op", "all", "--policy", "both", "--shapes", "1,512,4 1,2048,4 1,2048,16",
+                                   "--head-dim", "64", "--jobs", "3", "--json", str(out)])
+    assert res.exit_code == 1, res.output  # kda failed, the others ran
+    assert "kda policy R failed" in res.output and "compiled ahead" in res.output
+    assert len(warmed) == 4 * 2 * 2 and {len(t.shapes) for t in warmed} == {1, 2}
+    written = sorted(p.name for p in out.iterdir())
+    assert written == sorted(f"bench-{o}-{p}.json" for o in ("deltanet", "gdn", "gdn2") for p in ("R", "A"))
+    assert json.loads((out / "bench-gdn2-A.json").read_text())["K"] == 64

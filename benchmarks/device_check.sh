@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One bounded call on the H200 (device tool): install the carried wheels (.whl) and this project, then run
+# the steps named in STEPS, each under its own time limit. Everything comes back in $OUT/results.tgz plus
+# the short logs (the device returns at most 8 files).
+#   STEPS="tests bench" bash benchmarks/device_check.sh
+# Steps: tests (GPU-marked pytest, TEST_JOBS processes), bench (rewy-tune bench --op $BENCH_OPS --policy
+# $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
+# results/h200.db), models (benchmarks/model_check.py).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
+# PYTHONSAFEPATH: the checkout's rewy_tune/ folder must not shadow the installed namespace, in any
+# process (pytest-xdist workers and trial workers included).
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 REWY_TEST_NO_INTERPRET=1
+rm -rf build ./*.egg-info  # a stale build/ from an earlier call would be installed instead of the source
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 || exit 4
+OUT=${OUT:-/tmp/out}; RES=/tmp/results; mkdir -p "$OUT" "$RES"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$RES/gpu.txt"
+python3 -c "import rewy_tune.measure as m; print(m.software_versions())" | tee -a "$RES/gpu.txt"
+
+step_tests() {
+  REWY_TEST_REPORT="$RES/gpu-tests-report.txt" timeout "${TESTS_S:-220}" python3 -m pytest -q -m gpu \
+    -n "${TEST_JOBS:-8}" --timeout 200 -rf --tb=short -p no:cacheprovider -p no:benchmark ${TEST_ARGS:-} \
+    ${TEST_PATHS:-tests} > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu-tests-report.txt" | cut -c1-150
+  grep -E "^E  " "$RES/gpu-tests-report.txt" | sort | uniq -c | sort -rn | head -15
+}
+step_bench() {
+  timeout "${BENCH_S:-330}" python3 -m rewy_tune.cli.main bench --op "${BENCH_OPS:-all}" \
+    --policy "${BENCH_POLICY:-both}" ${BENCH_ARGS:-} --json "$RES/bench" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; grep -vE "^measuring" "$OUT/bench.log" | grep -vE "^\s*$" | tail -90
+}
+step_campaign() {
+  timeout "${CAMPAIGN_S:-500}" python3 -m rewy_tune.cli.main --device h200 $CAMPAIGN_ARGS \
+    --db "sqlite:///$RES/h200.db" --storage "$RES/h200.journal" > "$RES/campaign.log" 2>&1
+  echo "campaign rc=$?"; tail -c 4000 "$RES/campaign.log"
+}
+step_models() {
+  timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \
+    > "$OUT/models.log" 2>&1
+  echo "models rc=$?"; tail -40 "$OUT/models.log"
+}
+for s in ${STEPS:-tests bench}; do "step_$s"; done
+tar czf "$OUT/results.tgz" -C "$RES" .
