@@ -297,6 +297,23 @@ def trial_counts(session: Session, campaign_ids: Sequence[int] | None = None) ->
     return {(cid, status): n for cid, status, n in session.execute(query)}
 
 
+def campaign_activity(session: Session, campaign_ids: Sequence[int]) -> dict[int, tuple[Any, Any]]:
+    """When each campaign last wrote: (newest trial row's time, newest FLA baseline's time), None where it
+    has none. A campaign killed mid-run stays 'running' in the database; this is how a reader tells."""
+    if not campaign_ids:
+        return {}
+    ids = list(campaign_ids)
+    # Trial rows are only appended (a resumed trial overwrites its row and keeps its time), so the newest
+    # row is the one with the largest id: found in the (campaign_id, status) index without reading the rows.
+    newest = (select(func.max(TrialRow.id)).where(TrialRow.campaign_id.in_(ids))
+              .group_by(TrialRow.campaign_id).scalar_subquery())
+    trials = dict(session.execute(select(TrialRow.campaign_id, TrialRow.created_at)
+                                  .where(TrialRow.id.in_(newest))).all())
+    base = dict(session.execute(select(BaselineRow.campaign_id, func.max(BaselineRow.created_at))
+                                .where(BaselineRow.campaign_id.in_(ids)).group_by(BaselineRow.campaign_id)).all())
+    return {cid: (trials.get(cid), base.get(cid)) for cid in ids if cid in trials or cid in base}
+
+
 @dataclass(frozen=True)
 class TrialPoint:
     """The columns of a trial that the dashboard plots (no raw samples)."""

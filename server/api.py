@@ -80,7 +80,8 @@ def get_winners(request: Request, device: DeviceQuery = None, op: Op | None = No
         return [views.winner_json(w, names[w.device_id]) for w in q.winners(s, device=device, op=op, policy=policy)]
 
 
-@router.get("/campaigns", summary="Campaigns, newest first (paginated)")
+@router.get("/campaigns", summary="Campaigns, newest first (paginated), each with its activity: finished or "
+            "not, trials recorded, when it last recorded a trial")
 def get_campaigns(request: Request, device: DeviceQuery = None, op: Op | None = None,
                   status: CampaignStatus | None = None, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
     with _state(request).session() as s:
@@ -88,7 +89,8 @@ def get_campaigns(request: Request, device: DeviceQuery = None, op: Op | None = 
             return {"items": [], "total": 0, "limit": limit, "offset": offset}
         items = q.campaigns(s, device=device, op=op, status=status, offset=offset, limit=limit)
         counts = q.trial_counts(s, [c.id for c in items])
-        return {"items": [views.campaign_json(c, counts) for c in items],
+        act = views.activities(s, items, counts)
+        return {"items": [views.campaign_json(c, counts, act) for c in items],
                 "total": q.campaign_count(s, device=device, op=op, status=status), "limit": limit, "offset": offset}
 
 
@@ -106,9 +108,7 @@ def get_trials(request: Request, campaign_id: CampaignId, status: TrialStatus | 
     with _state(request).session() as s:
         if s is None or q.get_campaign(s, campaign_id) is None:
             raise NotFound(f"no campaign with id {campaign_id}")
-        page = q.campaign_trials(s, campaign_id, status=status, offset=offset, limit=limit)
-        return {"items": [views.trial_json(t) for t in page.items], "total": page.total, "limit": page.limit,
-                "offset": page.offset}
+        return views.trials_page(s, campaign_id, status=status, offset=offset, limit=limit)
 
 
 def parse_devices(devices: list[str]) -> list[str]:

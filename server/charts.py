@@ -30,6 +30,11 @@ def colour(status: str) -> str:
     return STATUS_COLOURS.get(status, OTHER_COLOUR)
 
 
+def _plottable(y: Any) -> bool:
+    """A latency that can go on a log axis: a finite positive number (None, NaN, inf and 0 cannot)."""
+    return isinstance(y, (int, float)) and not isinstance(y, bool) and math.isfinite(y) and y > 0
+
+
 def _fmt(v: float) -> str:
     if v == 0:
         return "0"
@@ -119,11 +124,11 @@ def scatter_by_parameter(points: Sequence[tuple[Any, float | None, str]], x_labe
     """Latency (log y) against one schedule parameter (categorical x, jittered); untimed trials on a
     strip above the plot. `points`: (parameter value, latency or None, status)."""
     body: list[str] = []
-    timed = [y for _, y, _ in points if y is not None and y > 0]
+    timed = [y for _, y, _ in points if _plottable(y)]
     values = sorted({v for v, _, _ in points}, key=_sort_key)
     n_cat = max(len(values), 1)
     strip = TOP + 26
-    y_scale = _LogScale(min(timed, default=1.0), max(timed, default=1.0), H - BOTTOM - 6, strip + 14)
+    y_scale = _LogScale(min(timed, default=1.0), max(timed, default=1.0), H - BOTTOM - 6, strip + 26)
     _y_axis(y_scale, body)
     body.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{strip + 7}" y2="{strip + 7}" stroke="#ddd" '
                 'stroke-dasharray="3 3"/>'
@@ -138,7 +143,7 @@ def scatter_by_parameter(points: Sequence[tuple[Any, float | None, str]], x_labe
     for k, (v, y, status) in enumerate(points):
         jitter = ((k * 0.6180339887) % 1.0 - 0.5) * band * 0.7
         cx = LEFT + band * (index[v] + 0.5) + jitter
-        cy = y_scale(y) if y is not None and y > 0 else strip + (k * 0.37 % 1.0) * 10
+        cy = y_scale(y) if _plottable(y) else strip + (k * 0.37 % 1.0) * 10
         body.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2.5" fill="{colour(status)}" fill-opacity="0.6"/>')
         if status not in statuses:
             statuses.append(status)
@@ -152,7 +157,7 @@ def history(values: Sequence[tuple[float, float | None, str]], x_label: str, y_l
     """Each trial's latency (log y) against a numeric x (trial index or seconds), and the running best of
     the ok trials as a step line. `values`: (x, latency or None, status)."""
     body: list[str] = []
-    timed = [y for _, y, _ in values if y is not None and y > 0]
+    timed = [y for _, y, _ in values if _plottable(y)]
     xs = [x for x, _, _ in values] or [0.0, 1.0]
     x_scale = _LinScale(min(xs), max(xs), LEFT + 6, W - RIGHT - 6)
     y_scale = _LogScale(min(timed, default=1.0), max(timed, default=1.0), H - BOTTOM - 6, TOP + 22)
@@ -163,7 +168,7 @@ def history(values: Sequence[tuple[float, float | None, str]], x_label: str, y_l
     statuses = []
     best, path = math.inf, []
     for x, y, status in values:
-        if y is None or y <= 0:
+        if not _plottable(y):
             continue
         body.append(f'<circle cx="{x_scale(x):.1f}" cy="{y_scale(y):.1f}" r="2" fill="{colour(status)}" '
                     'fill-opacity="0.45"/>')

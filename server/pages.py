@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from rewy_tune.problem import OPS
 
 from . import charts, views
-from .api import CampaignId, DevicePath, Op, Parameter, SHAPE_PATTERN, parse_devices
+from .api import SHAPE_PATTERN, CampaignId, DevicePath, Offset, Op, Parameter, TrialStatus, parse_devices
 from .views import NotFound
 
 templates = Jinja2Templates(directory=str(Path(__file__).resolve().parent / "templates"))
@@ -20,14 +21,22 @@ templates.env.globals.update(OPS=OPS, status_colour=charts.colour)
 
 
 def _ms(value: float | None) -> str:
+    value = views.finite(value)
     return "—" if value is None else (f"{value:.4g}")
 
 
 def _x(value: float | None) -> str:
+    value = views.finite(value)
     return "—" if value is None else f"{value:.2f}×"
 
 
-templates.env.filters.update(ms=_ms, times=_x)
+def _seconds(value: float | None) -> str:
+    value = views.finite(value)
+    return "—" if value is None else f"{value:.1f}"
+
+
+templates.env.filters.update(ms=_ms, times=_x, seconds=_seconds, utc=views.utc_text, budget=views.budget_text,
+                             ago=views.ago_text, gates=views.gate_summary)
 
 router = APIRouter(include_in_schema=False)
 
@@ -57,16 +66,16 @@ def device_page(request: Request, device: DevicePath, op: Op,
         if s is None:
             return _empty(request)
         data = views.device_op(s, device, op, shape, param)
-    points, flats = data["_points"], data["_flats"]
+    points, flats, timed = data["_points"], data["_flats"], data["_timed"]
     shape, param = data["shape"], data["parameter"]
     svg = {}
-    if points and shape and param:
+    if shape and param and timed:
         svg["scatter"] = charts.scatter_by_parameter(
-            [(f.get(param), p.medians_ms.get(shape), p.status) for p, f in zip(points, flats)],
+            [(f.get(param), timed.get(p.id), p.status) for p, f in zip(points, flats)],
             x_label=param, y_label=f"median latency at {shape} (ms, log)",
             title=f"{len(points)} trials: latency against {param}")
         svg["history"] = charts.history(
-            [(i, p.medians_ms.get(shape), p.status) for i, p in enumerate(points)],
+            [(i, timed.get(p.id), p.status) for i, p in enumerate(points)],
             x_label="trial (campaigns in order)", y_label=f"latency at {shape} (ms, log)",
             title="every trial and the best so far")
     if data["status_counts"]:
@@ -84,26 +93,37 @@ def compare_page(request: Request, op: Op | None = None, devices: Annotated[list
         if s is None or views.is_empty(s):
             return _empty(request)
         known = views.device_list(s)
+        with_data = [o for o in OPS if any(o in d["ops"] for d in known)]
+        context = {"known": known, "data": None, "op": op or (with_data[0] if with_data else OPS[1]), "error": None}
         if op is None or not devices:
-            return render(request, "compare.html", {"known": known, "data": None, "op": op or OPS[1]})
-        data = views.compare(s, op, parse_devices(devices))
-    return render(request, "compare.html", {"known": known, "data": data, "op": op})
+            return render(request, "compare.html", context)
+        try:
+            names = parse_devices(devices)
+        except HTTPException as exc:  # the HTML form gets an HTML answer; the API keeps its JSON 422
+            return render(request, "compare.html", context | {"error": exc.detail}, status_code=422)
+        data = views.compare(s, op, names)
+    return render(request, "compare.html", context | {"data": data})
+
+
+TrialsPageLimit = Annotated[int, Query(ge=1, le=500)]
 
 
 @router.get("/campaigns/{campaign_id}", response_class=HTMLResponse)
-def campaign_page(request: Request, campaign_id: CampaignId):
+def campaign_page(request: Request, campaign_id: CampaignId, status: TrialStatus | None = None,
+                  offset: Offset = 0, limit: TrialsPageLimit = 50):
     with request.app.state.dashboard.session() as s:
         if s is None:
             raise NotFound(f"no campaign with id {campaign_id}: the database is empty")
         data = views.campaign_detail(s, campaign_id)
-    points, shape = data["_points"], data["_shape"]
+        trials = views.trials_page(s, campaign_id, status=status, offset=offset, limit=limit)
+    points, shape, timed = data["_points"], data["_shape"], data["_timed"]
     svg = None
     if points and shape:
         start = data["campaign"]["started_at"]
-        from datetime import datetime
-
         t0 = datetime.fromisoformat(start) if start else points[0].created_at
-        svg = charts.history([((p.created_at - t0).total_seconds(), p.medians_ms.get(shape), p.status)
+        svg = charts.history([((p.created_at - t0).total_seconds(), timed.get(p.id), p.status)
                               for p in points], x_label="seconds since the campaign started",
                              y_label=f"latency at {shape} (ms, log)", title="timeline")
-    return render(request, "campaign.html", {**data, "svg": svg, "shape": shape})
+    fla = {r["shape"]: r["fla_ms"] for r in data["shapes"]}
+    return render(request, "campaign.html", {**data, "svg": svg, "shape": shape, "trials": trials, "fla": fla,
+                                             "status_filter": status})

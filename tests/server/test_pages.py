@@ -33,7 +33,7 @@ def test_compare_and_campaign_pages(client):
     assert client.get("/compare").status_code == 200
     r = client.get("/campaigns/2")
     assert r.status_code == 200
-    for text in ("NVIDIA H200", "570.86.15", "12.8", "3.5.0", "Kernel hash", "time_budget_s", 'id="timeline"'):
+    for text in ("NVIDIA H200", "570.86.15", "12.8", "3.5.0", "Kernel hash", "40 trials, time limit 60 min", 'id="timeline"'):
         assert text in r.text
 
 
