@@ -14,10 +14,10 @@ import triton.language as tl
 from .recompute import validate_chunk_size, validate_launch, validate_tile
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def rewy_chunk_cumsum_kernel(
     x, y, T,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     VECTOR: tl.constexpr, REVERSE: tl.constexpr,
 ):
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)

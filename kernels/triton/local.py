@@ -55,11 +55,11 @@ from .recompute import mm as _mma
 # --------------------------------------------------------------------------------------------------
 # dv_local = A_qkᵀ dO
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def rewy_bwd_kernel_dv_local(
     q, k, G, do, dv,
     T, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -115,11 +115,11 @@ def dv_local(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, B
 # --------------------------------------------------------------------------------------------------
 # Producer (separate mode): P = Aᵀ R̄, D = −L_<(P Rᵀ)
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def rewy_bwd_kernel_producer(
     A, Rbar, R, P, D,
     T,
-    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    H, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -164,12 +164,12 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 # --------------------------------------------------------------------------------------------------
 # Consumer (joint or separate)
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T", "NT"])
+@triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
     dq, dk, dv, dk_col, gbar, derase, dwrite,
     T, NT, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, JOINT: tl.constexpr, PREC: tl.constexpr,
 ):

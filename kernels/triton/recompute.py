@@ -80,11 +80,11 @@ def mm(a, b, PREC: tl.constexpr):
         return tl.dot(a, b, input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def rewy_recompute_wu_kernel(
     k, v, G, erase, write, A, W, U,
     T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_ERASE: tl.constexpr, ERASE_VEC: tl.constexpr,
     HAS_WRITE: tl.constexpr, WRITE_VEC: tl.constexpr, PREC: tl.constexpr,

@@ -160,11 +160,11 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
     return _mma(b_wt, b_nrb, b_ds, PREC)
 
 
-@triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET"])
+@triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
 def rewy_fwd_scan_kernel(
     k, W, U, G, h_in, Hs, R, X,
     T, NT, CPS, SEG_OFFSET,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_H_IN: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -246,11 +246,11 @@ def rewy_fwd_scan_kernel(
             _state_block_store(p_x, b_s3, cols, m_x, XW, 3, K, KB)
 
 
-@triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET"])
+@triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
 def rewy_bwd_scan_kernel(
     q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X,
     scale, T, NT, CPS, SEG_OFFSET,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
     STORE_DH0: tl.constexpr, PREC: tl.constexpr,
@@ -358,10 +358,10 @@ def rewy_bwd_scan_kernel(
             _state_block_store(p_x, b_d3, cols, m_x, XW, 3, K, KB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def rewy_segment_combine_kernel(
     X, h_first, h_in,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr, REVERSE: tl.constexpr,
     PREC: tl.constexpr,
 ):

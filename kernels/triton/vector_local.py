@@ -73,11 +73,11 @@ def _use_centred(delta, INTRA: tl.constexpr, MAX_RANGE: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 # dv_local = A_qkᵀ dO, A_qk recomputed with per-channel decay
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def rewy_bwd_kernel_dv_local_vector(
     q, k, G, do, dv,
     T, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -93,7 +93,9 @@ def rewy_bwd_kernel_dv_local_vector(
 
     # b_at[j, i] = Σ_f k_jf q_if Λ_ijf (row j, column i), accumulated over K tiles in fp32.
     b_at = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in tl.static_range(0, (K + BK - 1) // BK):
+    # Run-time loops over feature tiles and sub-chunk blocks: one copy of each body in the binary (static
+    # unrolling made this kernel the slowest of the pipeline to compile, ~33 s for sm_90 at K = 128).
+    for i_k in range(0, (K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_rk = m_row[:, None] & m_k[None, :]
@@ -111,7 +113,7 @@ def rewy_bwd_kernel_dv_local_vector(
             b_at += tl.dot(b_y, b_qa, input_precision="ieee")
         else:
             # Off-diagonal blocks: column block I of i (the q side), anchored at its first row a.
-            for ib in tl.static_range(1, BT // BC):
+            for ib in range(1, BT // BC):
                 a = ib * BC
                 b_ga = tl.sum(tl.where((o_i == a)[:, None], b_g, 0.0), axis=0)
                 m_y = ((o_i < a) & m_row & (a < n_rows))[:, None] & m_k[None, :]
@@ -133,7 +135,7 @@ def rewy_bwd_kernel_dv_local_vector(
     # drops it (never a multiply by 0, which would give NaN).
     m_at = (o_i[:, None] <= o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_at = tl.where(m_at, b_at * scale, 0.0)
-    for i_v in tl.static_range(0, (V + BV - 1) // BV):
+    for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
@@ -163,12 +165,12 @@ def dv_local_vector(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int 
 # --------------------------------------------------------------------------------------------------
 # Consumer (joint or separate), centred matrix intra with the sub-chunk fallback
 # --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["T", "NT"])
+@triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
     dq, dk, dv, xcol, gbar, derase, dwrite, paths,
     T, NT, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr,
@@ -305,7 +307,7 @@ def rewy_bwd_kernel_consumer_vector(
             b_xq = tl.zeros([BT, BK], dtype=tl.float32)
             b_xe = tl.zeros([BT, BK], dtype=tl.float32)
             b_xyt = tl.zeros([BK, BT], dtype=tl.float32)
-            for ib in tl.static_range(0, BT // BC):
+            for ib in range(0, BT // BC):  # run-time: one copy of the four fp32 products (compile time)
                 a = ib * BC
                 z = a + BC - 1
                 if ib > 0:

@@ -461,24 +461,24 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     p = "*" + dt
     for use_g in (True,):
         compile_(local.rewy_bwd_kernel_dv_local,
-                 {"q": p, "k": p, "G": "*fp32", "do": p, "dv": p, "T": "i32", "scale": "fp32", "H": "constexpr",
+                 {"q": p, "k": p, "G": "*fp32", "do": p, "dv": p, "T": "i32", "scale": "fp32", "H": "i32",
                   "K": "constexpr", "V": "constexpr", "BT": "constexpr", "BK": "constexpr", "BV": "constexpr",
                   "USE_G": "constexpr", "PREC": "constexpr"},
-                 {"H": 4, "K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g,
+                 {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g,
                   "PREC": "ieee" if dt == "fp32" else "tf32"}, 4)
     compile_(local.rewy_bwd_kernel_producer,
-             {"A": p, "Rbar": p, "R": p, "P": "*fp32", "D": "*fp32", "T": "i32", "H": "constexpr", "V": "constexpr",
+             {"A": p, "Rbar": p, "R": p, "P": "*fp32", "D": "*fp32", "T": "i32", "H": "i32", "V": "constexpr",
               "BT": "constexpr", "BV": "constexpr", "PREC": "constexpr"},
-             {"H": 4, "V": 128, "BT": 64, "BV": 64, "PREC": "ieee" if dt == "fp32" else "tf32"}, 4)
+             {"V": 128, "BT": 64, "BV": 64, "PREC": "ieee" if dt == "fp32" else "tf32"}, 4)
     for joint, use_g in ((True, True), (False, False)):
         if True:
             sig = {n: p for n in ("q", "k", "v", "erase", "write", "A", "R", "Rbar", "do", "dq", "dk", "dv",
                                   "derase", "dwrite")}
             sig.update({n: "*fp32" for n in ("G", "S0", "dS1", "P", "D", "dk_col", "gbar")})
-            sig.update({"T": "i32", "NT": "i32", "scale": "fp32"})
-            sig.update({n: "constexpr" for n in ("H", "K", "V", "BT", "BK", "BV", "USE_G", "JOINT", "PREC")})
+            sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
+            sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "JOINT", "PREC")})
             compile_(local.rewy_bwd_kernel_consumer, sig,
-                     {"H": 4, "K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "JOINT": joint,
+                     {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "JOINT": joint,
                       "PREC": "ieee" if dt == "fp32" else "tf32"}, 8)
 print("compiled")
 """

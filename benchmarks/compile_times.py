@@ -1,0 +1,173 @@
+"""How long does each ReWY kernel take to compile for the H200, and why is a GPU trial slow?
+
+Compiles, ahead of time for sm_90 on any machine (Triton bundles ptxas; no GPU needed), exactly the kernel
+launches that one backward of an operator makes with a given schedule:
+1. record: the backward runs once on the Triton interpreter at a small shape (same constexprs as the real
+   launch: K, V, tiles, warps, stages); every `kernel[grid](...)` launch is recorded (argument types,
+   constexpr values, options);
+2. compile: a fresh process without the interpreter compiles each recorded launch with an empty Triton
+   cache and prints the CPU seconds per kernel (ptxas included; wall time depends on the machine's load).
+
+    python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+
+MODULES = ("recompute", "scan", "local", "vector_local", "cumsum")
+TORCH_TO_TRITON = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
+                   "torch.int32": "i32", "torch.int64": "i64"}
+
+
+def _record(args) -> list[dict]:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import importlib
+
+    import torch
+
+    import rewy_tune
+    from rewy_tune import gates
+    from rewy_tune.schedule import Schedule
+    from rewy_tune.search import default_schedule
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __init__(self, module, name, kernel):
+            self.module, self.name, self.kernel = module, name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                params = self.kernel.arg_names if hasattr(self.kernel, "arg_names") else None
+                launches.append({"module": self.module, "name": self.name, "args": [_kind(x) for x in a],
+                                 "kwargs": {k: _kind(v) for k, v in kw.items()}, "params": params})
+                return self.kernel[grid](*a, **kw)
+            return launch
+
+    for m in MODULES:
+        mod = importlib.import_module(f"rewy_tune.kernels.triton.{m}")
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if name.startswith("rewy_") and name.endswith("_kernel") or name.startswith("rewy_bwd_kernel"):
+                setattr(mod, name, Recorder(m, name, obj))
+    sched = Schedule.from_json(open(args.schedule).read()) if args.schedule else \
+        default_schedule(args.op, (9, 0), args.head_dim, args.head_dim)
+    case = gates.GateCase(op=args.op, policy=args.policy, B=1, T=128, H=args.H, K=args.head_dim, V=args.head_dim,
+                          dtype="fp32")
+    inputs = gates.make_inputs(case, 0, "cpu")
+    names = gates.arg_names(args.op)
+    leaves = [inputs[n].clone().requires_grad_(True) for n in names]
+    fn = getattr(rewy_tune, f"chunk_{args.op}")
+    o, _ = fn(*leaves, policy=args.policy, backend="triton", schedule=sched)
+    torch.autograd.grad(o, leaves, inputs["do"])
+    return launches
+
+
+def _kind(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        # the real launch has bf16 inputs: fp32 tensors that hold inputs on the CPU run stay fp32 here,
+        # which changes only the dot precision, not the kernel's structure
+        return ("ptr", TORCH_TO_TRITON[str(x.dtype)])
+    if x is None:
+        return ("none", None)
+    if isinstance(x, bool):
+        return ("const", x)
+    if isinstance(x, int):
+        return ("int", x)
+    if isinstance(x, float):
+        return ("float", x)
+    return ("const", x if isinstance(x, (str, int, float, bool)) else str(x))
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (ptxas): wall time varies with machine load."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _compile(launches: list[dict]) -> list[tuple[str, float, int]]:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    out, seen = [], set()
+    for rec in launches:
+        mod = importlib.import_module(f"rewy_tune.kernels.triton.{rec['module']}")
+        kernel = getattr(mod, rec["name"])
+        names = kernel.arg_names
+        constexpr_names = {names[i] for i in kernel.constexprs}
+        values = dict(zip(names, rec["args"]))
+        opts = {}
+        for k, v in rec["kwargs"].items():
+            if k in ("num_warps", "num_stages"):
+                opts[k] = v[1]
+            else:
+                values[k] = v
+        sig, consts = {}, {}
+        for n in names:
+            kind, val = values.get(n, ("none", None))
+            if n in constexpr_names or kind in ("none", "const"):
+                sig[n] = "constexpr"
+                consts[n] = val
+            elif kind == "ptr":
+                sig[n] = "*" + val
+            elif kind == "int":
+                sig[n] = "i32"
+            else:
+                sig[n] = "fp32"
+        key = (rec["name"], json.dumps(consts, sort_keys=True, default=str), json.dumps(opts, sort_keys=True))
+        if key in seen:
+            continue
+        seen.add(key)
+        c0 = _cpu_seconds()
+        c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target, options=opts)
+        out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--op", default="gdn2")
+    ap.add_argument("--policy", default="R")
+    ap.add_argument("--schedule", help="Schedule JSON file (default: the operator's sm_90 default)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
+    ap.add_argument("--_file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._stage == "record":
+        pickle.dump(_record(args), open(args._file, "wb"))
+        return
+    if args._stage == "compile":
+        for name, s, shared, opts in _compile(pickle.load(open(args._file, "rb"))):
+            print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {opts}")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        f = os.path.join(tmp, "launches.pkl")
+        base = [sys.executable, __file__] + [a for a in sys.argv[1:]]
+        subprocess.run(base + ["--_stage", "record", "--_file", f], check=True)
+        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "cache"))
+        env.pop("TRITON_INTERPRET", None)
+        t0 = time.perf_counter()
+        subprocess.run(base + ["--_stage", "compile", "--_file", f], check=True, env=env)
+        print(f"total {time.perf_counter() - t0:.1f} s wall (fresh cache, one process)")
+
+
+if __name__ == "__main__":
+    main()
