@@ -160,7 +160,8 @@ def run_once(op: str, fn: OpFn, shape: tuple[int, int, int], *, K: int = 128, V:
     side = _Side(op, fn, bench_inputs(op, shape, K, V, device))
     side.forward()
     side.backward()
-    torch.cuda.synchronize()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _time_graphs(graphs: list[torch.cuda.CUDAGraph], rounds: int) -> list[list[float]]:

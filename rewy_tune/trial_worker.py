@@ -234,7 +234,7 @@ def _warm_shape(msg: dict[str, Any], shape: tuple[int, int, int]) -> None:
     from rewy_tune.schedule import Schedule
 
     fn = measure.rewy_op_fn(msg["op"], msg["policy"], Schedule.from_dict(msg["schedule"]))
-    measure.run_once(msg["op"], fn, shape, K=msg["K"], V=msg["V"])
+    measure.run_once(msg["op"], fn, shape, K=msg["K"], V=msg["V"], device="cpu" if msg["device"] == "cpu" else "cuda")
 
 
 def _warm(msg: dict[str, Any]) -> dict[str, Any]:

@@ -42,15 +42,17 @@ def default_jobs() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def warm(tasks: list[WarmTask], jobs: int | None = None, timeout_s: float = 600.0) -> list[WarmResult]:
-    """Run every task once in `jobs` worker processes; results in task order."""
+def warm(tasks: list[WarmTask], jobs: int | None = None, timeout_s: float = 600.0,
+         device: str = "cuda") -> list[WarmResult]:
+    """Run every task once in `jobs` worker processes; results in task order. `device="cpu"` runs our side
+    on the Triton interpreter (nothing is cached there: for tests of this machinery only)."""
     jobs = max(1, min(jobs or default_jobs(), len(tasks) or 1))
     results: list[WarmResult | None] = [None] * len(tasks)
     lock = threading.Lock()
     queue = list(range(len(tasks)))
 
     def loop() -> None:
-        worker = TrialWorker(device="cuda")
+        worker = TrialWorker(device=device)
         try:
             while True:
                 with lock:
@@ -59,8 +61,8 @@ def warm(tasks: list[WarmTask], jobs: int | None = None, timeout_s: float = 600.
                     i = queue.pop(0)
                 t = tasks[i]
                 t0 = time.perf_counter()
-                out = worker.request({"kind": "warm", "op": t.op, "policy": t.policy, "schedule": t.schedule,
-                                      "shapes": [list(s) for s in t.shapes], "K": t.K, "V": t.V,
+                out = worker.request({"kind": "warm", "device": device, "op": t.op, "policy": t.policy,
+                                      "schedule": t.schedule, "shapes": [list(s) for s in t.shapes], "K": t.K, "V": t.V,
                                       "with_fla": t.with_fla}, timeout_s)
                 results[i] = WarmResult(t, out.status, time.perf_counter() - t0, out.message, out.errors)
         finally:
