@@ -1,4 +1,4 @@
-"""Model-level check: one training step of small FLA models (KDA, Gated DeltaNet) with and without ReWY.
+"""Model-level check: one training step of small stock FLA models (KDA, Gated DeltaNet) with and without ReWY.
 
     python -P benchmarks/model_check.py --force-triton --json results/model-check.json     # on the GPU
     python -P benchmarks/model_check.py --dry-run                                          # on a CPU
@@ -8,30 +8,33 @@ built from one seed, bf16, random token ids, cross-entropy loss):
 
 1. Correctness: one step (forward, loss, backward) in each mode, same weights and inputs:
    - ``fla-stock``  FLA's layers unchanged, ReWY off;
-   - ``rewy-stock`` FLA's layers unchanged, ``rewy_tune.enable()``. FLA's layers call the chunk ops with
-     in-kernel q/k l2norm, gate activation, beta sigmoid and the V-first state layout, all outside the ReWY
-     envelope: every call falls back to FLA (the dispatch report says why). The check is that enabling
-     changes nothing.
-   - ``fla``        adapted layers, ReWY off. The adapter replaces the op name the layer calls and applies
-     the same activations outside the op with FLA's own autograd kernels (``l2norm``, ``fused_beta_sigmoid``,
-     ``fused_gdn_gate`` / ``fused_kda_gate``), then calls FLA's chunk op with plain arguments;
-   - ``rewy``       adapted layers, ``rewy_tune.enable()``: the same plain call, now routed through ReWY;
-   - ``oracle``     adapted layers, the chunk op in float64 (``rewy_tune`` backend="torch", the reference of
-     the correctness gates) on the same inputs; its output is cast back to the model dtype.
-   Every parameter gradient of ``rewy`` is compared with ``fla`` and with ``oracle`` (relative RMS error,
-   `rewy_tune.gates.compare`); a parameter passes when it is within the gates' threshold of either reference
-   (``ORDINARY_RTOL``; ``GATE_RTOL`` for parameters whose gradient comes only through the gate or beta:
-   ``a_proj``, ``f_proj``, ``b_proj``, ``A_log``, ``dt_bias``). The oracle is there because FLA itself is a
-   bf16 implementation and, on Hopper with Triton < 3.7.1, its gated ``chunk_bwd_dqkwg`` is known to be wrong
-   (FLA issue 640): FLA's guard against that is bypassed so its GDN backward runs at all.
-2. Timing: the four non-oracle modes, interleaved (the order rotates every round), ``--rounds`` rounds after
-   ``--warmup`` steps each; ``torch.cuda.Event`` around ``loss.backward()`` (backward) and around the whole
-   step (step); medians; speedup = FLA median / this median, FLA with the same layers (stock or adapted).
+   - ``rewy-stock`` FLA's layers unchanged, ``rewy_tune.enable()``: the layers' chunk-op calls (in-kernel q/k
+     l2norm, gate activation with ``A_log`` / ``dt_bias``, beta sigmoid, V-first state) are routed through ReWY,
+     the activations applied outside the op by FLA's own autograd kernels (`rewy_tune.fla_patch`). The dispatch
+     report must show every call routed, none fallen back;
+   - ``oracle``     the layer's chunk-op call in float64 (``rewy_tune`` backend="torch", the reference of the
+     correctness gates) on the same inputs, its output cast back to the model dtype.
+   Every parameter gradient of ``rewy-stock`` is compared with ``fla-stock`` and with ``oracle`` (relative RMS
+   error, `rewy_tune.gates.compare`); a parameter passes when it is within the gates' threshold of either
+   reference (``ORDINARY_RTOL``; ``GATE_RTOL`` for parameters whose gradient comes only through the gate or
+   beta: ``a_proj``, ``f_proj``, ``b_proj``, ``A_log``, ``dt_bias``). The oracle is there because FLA itself is
+   a bf16 implementation and, on Hopper with Triton < 3.7.1, its gated ``chunk_bwd_dqkwg`` is known to be wrong
+   (FLA issue 640): FLA's guard against that is bypassed so its GDN backward runs at all. The oracle's loss must
+   match ``fla-stock``'s (it checks that the oracle computes what FLA's layer asks for).
+2. Timing: ``fla-stock`` and ``rewy-stock`` interleaved (the order rotates every round), ``--rounds`` rounds after
+   ``--warmup`` steps each; ``torch.cuda.Event`` around ``loss.backward()`` (backward) and around the whole step
+   (step); medians; speedup = ``fla-stock`` median / ``rewy-stock`` median.
+
+The op substitution (`OpSubstitute`, the remainder of the earlier layer adapter) is only needed by the two modes
+that cannot call FLA's op as the layer does: the float64 oracle, and in ``--dry-run`` the CPU stand-in for
+``fla-stock`` (FLA's chunk kernels need a GPU: there it runs FLA's ``naive_recurrent_*`` op). It applies the
+activations with the same code as ``enable()`` (`fla_patch.activation_plan` / `apply_activations`, in torch).
 
 KDA's Triton backward has passed the interpreter gates but not run on a GPU yet, so ``enable()`` (backend
 auto) does not route KDA; ``--force-triton`` makes ``enable()`` route every operator that has a Triton backward.
-The output says which routing was used. Exit status: 0 when every check of every model passed, 1 otherwise
-(2: bad arguments or no GPU).
+``--dry-run`` (CPU) implies it and runs ``rewy-stock`` for real: ``enable()`` with the CUDA-only check lifted, the
+routed backward on the Triton interpreter. The output says which routing was used. Exit status: 0 when every
+check of every model passed, 1 otherwise (2: bad arguments or no GPU).
 """
 
 from __future__ import annotations
@@ -67,21 +70,20 @@ LAYER_BINDINGS = {
 # Parameters whose gradient reaches them only through the op's gate or beta gradient (gate-like threshold).
 GATE_PATH = re.compile(r"(^|\.)(a_proj|f_proj|b_proj)(\.|$)|(^|\.)(A_log|dt_bias)$")
 
-# mode -> (layers: stock | adapted, rewy_tune.enable() during the step, adapter implementation, description)
+# mode -> (layers: stock | substituted, rewy_tune.enable() during the step, substitute implementation, description)
 MODES = {
     "fla-stock": ("stock", False, None, "FLA layers unchanged, ReWY off"),
     "rewy-stock": ("stock", True, None, "FLA layers unchanged, rewy_tune.enable()"),
-    "fla": ("adapted", False, "fla", "adapted layers (activations outside the op), ReWY off"),
-    "rewy": ("adapted", True, "fla", "adapted layers, rewy_tune.enable()"),
-    "oracle": ("adapted", False, "oracle", "adapted layers, chunk op in float64 (rewy_tune backend='torch')"),
+    "oracle": ("substituted", False, "oracle", "the layer's chunk-op call in float64 (rewy_tune backend='torch')"),
 }
-# --dry-run (CPU): no FLA Triton op can run, so the adapted modes use pure-torch stand-ins.
+# --dry-run (CPU): FLA's chunk kernels cannot run, so fla-stock is a pure-torch stand-in; rewy-stock is real
+# (enable() routes to the ReWY backward on the Triton interpreter).
 DRY_MODES = {
-    "fla": ("adapted", False, "fla-naive", "stand-in: FLA's naive_recurrent_* op (torch)"),
-    "rewy": ("adapted", False, "rewy-torch", "stand-in: rewy_tune op, backend='torch' (no routing on a CPU)"),
+    "fla-stock": ("substituted", False, "fla-naive", "stand-in: FLA's naive_recurrent_* op (torch)"),
+    "rewy-stock": ("stock", True, None, "FLA layers unchanged, rewy_tune.enable() (Triton interpreter)"),
     "oracle": MODES["oracle"],
 }
-TIMED = ("fla-stock", "rewy-stock", "fla", "rewy")
+TIMED = ("fla-stock", "rewy-stock")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -108,14 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=measure.MIN_ROUNDS,
                    help=f"timed rounds per mode, >= 20 (default {measure.MIN_ROUNDS})")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per mode before timing (default 3)")
-    p.add_argument("--no-stock", action="store_true", help="skip the fla-stock / rewy-stock modes")
     p.add_argument("--no-oracle", action="store_true", help="skip the float64 oracle (compare with FLA only)")
     p.add_argument("--no-timing", action="store_true", help="correctness only")
     p.add_argument("--keep-hopper-guard", action="store_true",
                    help="do not bypass FLA's Hopper guard (FLA issue 640): FLA's GDN backward then raises")
     p.add_argument("--json", metavar="PATH", help="write every result (samples included) to PATH")
     p.add_argument("--dry-run", action="store_true",
-                   help="CPU: tiny models, pure-torch stand-ins for the ops, no GPU; checks the script end to end")
+                   help="CPU: tiny models, rewy-stock on the Triton interpreter, a torch stand-in for FLA's op")
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODEL_CLASSES]
@@ -123,8 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--models: unknown {bad}; accepted: {', '.join(MODEL_CLASSES)}")
     if args.dry_run:
         args.hidden, args.layers, args.head_dim, args.heads, args.vocab = 64, 2, 16, 4, 256
-        args.batch, args.seq_len, args.dtype, args.rounds, args.warmup = 1, 100, "fp32", 2, 1
-        args.no_stock = True
+        args.batch, args.seq_len, args.dtype, args.rounds, args.warmup = 1, 100, "fp32", 2, 0
+        args.force_triton = True  # the interpreter runs every operator's Triton backward
     elif args.rounds < 20:
         p.error(f"--rounds must be >= 20, got {args.rounds}")
     if args.heads is None:
@@ -135,27 +136,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# -- the layer adapter: in-kernel activations outside the op, then a plain call ----------------------------
+# -- the op substitution: the float64 oracle and the CPU stand-in for FLA's op ------------------------------
 
-def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+class OpSubstitute:
+    """Replaces the chunk-op name in FLA's KDA / GatedDeltaNet layer modules with a function that applies the
+    call's in-kernel activations with `rewy_tune.fla_patch`'s torch code (the same plan `enable()` follows) and
+    runs `impl` on the activated tensors: "oracle" (float64 rewy_tune op, backend torch; the activations in
+    float64 too) or "fla-naive" (FLA's naive_recurrent_* op, the CPU stand-in for FLA's chunk op). A call whose
+    options `fla_patch.activation_plan` rejects, or with GVA, goes to FLA unchanged and is counted."""
 
-
-class LayerAdapter:
-    """Replaces the chunk-op name in FLA's KDA / GatedDeltaNet layer modules with a function that applies
-    the in-kernel activations (q/k l2norm, beta sigmoid, gate) itself and calls the op with plain arguments.
-    `impl` picks the op: "fla" (the defining module's function, looked up at each call, so the one
-    `rewy_tune.enable()` installed while enabled), "oracle" (float64 rewy_tune op, backend torch),
-    "fla-naive" / "rewy-torch" (CPU stand-ins). `fused` picks FLA's autograd Triton kernels for the
-    activations (GPU) or their torch equivalents (CPU)."""
-
-    def __init__(self, fused: bool):
-        self.fused = fused
-        self.impl = "fla"
-        self.policy = "R"
+    def __init__(self):
+        self.impl = "oracle"
         self.saved: dict[str, object] = {}
-        self.passthrough = 0  # calls the adapter could not express, sent to FLA unchanged
+        self.passthrough: list[str] = []  # reasons of the calls sent to FLA unchanged
 
     def install(self) -> None:
         for op, (mod, name, _) in LAYER_BINDINGS.items():
@@ -171,114 +164,93 @@ class LayerAdapter:
             setattr(importlib.import_module(mod), name, original)
             del self.saved[op]
 
-    def _activations(self, op):
-        if self.fused:
-            from fla.modules.norm.l2norm import l2norm
-            from fla.ops.common.gate import fused_beta_sigmoid
-            if op == "kda":
-                from fla.ops.kda.gate import fused_kda_gate as gate
-            else:
-                from fla.ops.gated_delta_rule.gate import fused_gdn_gate as gate
-            return l2norm, (lambda b, s: fused_beta_sigmoid(b, scale=s)), gate
-        from fla.ops.gated_delta_rule.gate import naive_gdn_gate
-        from fla.ops.kda.gate import naive_kda_gate
-
-        return _torch_l2norm, (lambda b, s: b.float().sigmoid() * s), (naive_kda_gate if op == "kda" else naive_gdn_gate)
-
     def _make(self, op, original):
-        adapter = self
-        _, name, defining = LAYER_BINDINGS[op]
+        from rewy_tune import fla_patch
 
-        def adapted(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                    allow_neg_eigval=False, state_v_first=False, A_log=None, dt_bias=None, cu_seqlens=None,
-                    safe_gate=False, lower_bound=None, **kwargs):
-            if cu_seqlens is not None or safe_gate or lower_bound is not None or kwargs or v.shape[2] != q.shape[2]:
-                adapter.passthrough += 1
-                return original(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                                state_v_first=state_v_first, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-                                **({"safe_gate": safe_gate, "lower_bound": lower_bound} if op == "kda" else {}), **kwargs)
-            l2norm, beta_sigmoid, gate = adapter._activations(op)
-            if use_qk_l2norm_in_kernel:
-                q, k = l2norm(q), l2norm(k)
-            if use_beta_sigmoid_in_kernel:  # FLA: allow_neg_eigval acts only together with the in-kernel sigmoid
-                beta = beta_sigmoid(beta, 2.0 if allow_neg_eigval else 1.0)
-            if use_gate_in_kernel:
-                g = gate(g, A_log, dt_bias)
-            h0 = initial_state
-            if h0 is not None and state_v_first:
-                h0 = h0.transpose(-1, -2).contiguous()
-            o, ht = adapter._call(op, name, defining, q, k, v, g, beta, scale, h0, output_final_state)
-            if ht is not None and state_v_first:
-                ht = ht.transpose(-1, -2).contiguous()
-            return o, ht
+        substitute = self
+        signature = inspect.signature(getattr(original, "__rewy_original__", original))
 
-        adapted.__rewy_model_check_adapter__ = op
-        return adapted
+        def substituted(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            arguments = dict(bound.arguments)
+            extra = arguments.pop("kwargs", {}) or {}
+            acts, reason = fla_patch.activation_plan(op, arguments, extra)
+            if reason is None and arguments["v"].shape[2] != arguments["q"].shape[2]:
+                reason = "GVA"
+            if reason is not None:
+                substitute.passthrough.append(reason)
+                return original(*args, **kwargs)
+            return substitute._call(op, arguments, acts)
 
-    def _call(self, op, name, defining, q, k, v, g, beta, scale, h0, output_final_state):
-        if self.impl == "fla":
-            fn = getattr(importlib.import_module(defining), name)  # rewy_tune's wrapper while enabled
-            return fn(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state)
-        ours = getattr(rewy_tune, f"chunk_{op}")
+        substituted.__rewy_model_check_substitute__ = op
+        return substituted
+
+    def _call(self, op, arguments, acts):
+        from rewy_tune import fla_patch
+
+        out_dtype = arguments["v"].dtype
         if self.impl == "oracle":
             d = torch.float64
-            o, ht = ours(q.to(d), k.to(d), v.to(d), g.to(d), beta.to(d), scale=scale,
-                         initial_state=None if h0 is None else h0.to(d), output_final_state=output_final_state,
-                         policy="R", backend="torch")
-            return o.to(v.dtype), (None if ht is None else ht.float())
-        if self.impl == "rewy-torch":
-            return ours(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
-                        policy=self.policy, backend="torch")
-        if self.impl == "fla-naive":
+            arguments = {n: (t.to(d) if isinstance(t, torch.Tensor) else t) for n, t in arguments.items()}
+            acts = dataclasses.replace(acts, A_log=None if acts.A_log is None else acts.A_log.to(d),
+                                       dt_bias=None if acts.dt_bias is None else acts.dt_bias.to(d))
+        a = fla_patch.apply_activations(op, arguments, acts, fused=False)
+        scale, h0 = arguments.get("scale"), a["initial_state"]
+        output_final_state = bool(arguments.get("output_final_state", False))
+        if self.impl == "oracle":
+            o, ht = getattr(rewy_tune, f"chunk_{op}")(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=scale,
+                                                     initial_state=h0, output_final_state=output_final_state,
+                                                     policy="R", backend="torch")
+            ht = None if ht is None else ht.float()
+        elif self.impl == "fla-naive":
             if op == "kda":
                 from fla.ops.kda.naive import naive_recurrent_kda as naive
             else:
                 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule as naive
-            o, ht = naive(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
+            o, ht = naive(q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], scale=scale, initial_state=h0,
                           output_final_state=output_final_state)
-            return o.to(v.dtype), ht
-        raise ValueError(f"unknown adapter implementation {self.impl!r}")
+        else:
+            raise ValueError(f"unknown substitute implementation {self.impl!r}")
+        return o.to(out_dtype), fla_patch.restore_state(ht, acts)
 
 
 @contextlib.contextmanager
-def routing(force_triton: bool):
+def routing(force_triton: bool, interpreter: bool = False):
     """`--force-triton`: enable()'s envelope admits every operator with a Triton backward (fla_patch consults
-    `_triton_ops()` for the GPU-verified list; this swaps in ops._triton_ops, the implemented list)."""
+    `_triton_ops()` for the GPU-verified list; this swaps in ops._triton_ops, the implemented list).
+    `interpreter` (--dry-run): enable() also admits CPU tensors (the routed backward runs on the interpreter)."""
     from rewy_tune import fla_patch, ops
 
-    saved = fla_patch._triton_ops
+    saved = fla_patch._triton_ops, fla_patch._device_reason
     if force_triton:
         fla_patch._triton_ops = ops._triton_ops
+    if interpreter:
+        fla_patch._device_reason = lambda tensors: None
     try:
         yield sorted(fla_patch._triton_ops())
     finally:
-        fla_patch._triton_ops = saved
+        fla_patch._triton_ops, fla_patch._device_reason = saved
 
 
 class Harness:
-    """Switches between modes: ReWY off, layers stock or adapted, ReWY on (always in that order)."""
+    """Switches between modes: ReWY off, layers stock or substituted, ReWY on (always in that order)."""
 
     def __init__(self, args, device, modes):
         self.args, self.device, self.modes = args, device, modes
-        self.adapter = LayerAdapter(fused=device.type == "cuda")
-        self.adapter.policy = args.policy
+        self.substitute = OpSubstitute()
         self.cuda = device.type == "cuda"
 
     def set_mode(self, mode: str | None) -> None:
         rewy_tune.disable()
         if mode is None:
-            self.adapter.remove()
+            self.substitute.remove()
             return
         layers, enable, impl, _ = self.modes[mode]
         if layers == "stock":
-            self.adapter.remove()
+            self.substitute.remove()
         else:
-            self.adapter.install()
-            self.adapter.impl = impl
+            self.substitute.install()
+            self.substitute.impl = impl
         if enable:
             rewy_tune.enable(self.args.policy)
 
@@ -393,7 +365,7 @@ def _pct(x) -> str:
 
 def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
     res: dict = {"model": MODEL_CLASSES[kind][1], "errors": {}, "modes": {}, "comparisons": {}, "checks": [],
-                 "timing": {}}
+                 "timing": {}, "mode_layers": {m: v[0] for m, v in harness.modes.items()}}
     config = make_config(kind, args)
     model = build_model(kind, config, args, device, dtype)
     V = int(args.head_dim * args.expand_v)
@@ -412,12 +384,12 @@ def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
         try:
             harness.set_mode(mode)
             rewy_tune.reset_report()
-            harness.adapter.passthrough = 0
+            harness.substitute.passthrough = []
             _, _, loss = harness.step(model, ids)
             loss = float(loss)
             grads[mode] = {n: (p.grad.detach().clone() if p.grad is not None else None)
                            for n, p in model.named_parameters()}
-            rec = dict(loss=loss, adapter_passthrough=harness.adapter.passthrough,
+            rec = dict(loss=loss, substitute_passthrough=list(harness.substitute.passthrough),
                        first_step_s=time.perf_counter() - t0)
             if harness.modes[mode][1]:
                 rec["report"] = rewy_tune.report()
@@ -434,8 +406,8 @@ def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
             harness.set_mode(None)
             model.zero_grad(set_to_none=True)
 
-    pairs = [("rewy vs fla", "rewy", "fla"), ("rewy vs oracle", "rewy", "oracle"), ("fla vs oracle", "fla", "oracle"),
-             ("fla vs fla-stock", "fla", "fla-stock"), ("rewy-stock vs fla-stock", "rewy-stock", "fla-stock")]
+    pairs = [("rewy-stock vs fla-stock", "rewy-stock", "fla-stock"), ("rewy-stock vs oracle", "rewy-stock", "oracle"),
+             ("fla-stock vs oracle", "fla-stock", "oracle")]
     for label, got, ref in pairs:
         if got in grads and ref in grads:
             summary = _summary(compare_grads(f"{kind} {label}", grads[got], grads[ref]))
@@ -460,7 +432,7 @@ def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
 
 
 def _print_worst(res: dict, n: int = 5) -> None:
-    for label in ("rewy vs fla", "rewy vs oracle", "fla vs oracle"):
+    for label in ("rewy-stock vs fla-stock", "rewy-stock vs oracle", "fla-stock vs oracle"):
         comp = res["comparisons"].get(label)
         if not comp:
             continue
@@ -490,7 +462,7 @@ def time_modes(model, ids, harness: Harness, modes: list[str], args) -> dict:
     out = {"rounds": args.rounds, "warmup": args.warmup, "report_during_timing": rewy_tune.report(), "modes": {}}
     for mode in modes:
         s = samples[mode]
-        base = "fla-stock" if MODES[mode][0] == "stock" else "fla"
+        base = "fla-stock"
         d = dict(s, median_backward_ms=statistics.median(s["backward_ms"]), median_step_ms=statistics.median(s["step_ms"]),
                  baseline=base)
         if base in samples:
@@ -499,9 +471,6 @@ def time_modes(model, ids, harness: Harness, modes: list[str], args) -> dict:
             d["speedup_step"] = statistics.median(b["step_ms"]) / d["median_step_ms"]
             d["paired_speedup_backward"] = statistics.median(x / y for x, y in zip(b["backward_ms"], s["backward_ms"]))
         out["modes"][mode] = d
-    if "rewy" in samples and "fla-stock" in samples:
-        out["rewy_adapted_vs_fla_stock_step"] = (statistics.median(samples["fla-stock"]["step_ms"])
-                                                 / statistics.median(samples["rewy"]["step_ms"]))
     return out
 
 
@@ -514,20 +483,18 @@ def verdict_checks(res: dict, args) -> list[dict]:
     errors, modes, comps = res["errors"], res["modes"], res["comparisons"]
     for mode, err in errors.items():
         add(f"{mode} ran", False, err)
-    if "rewy" in modes:
-        if args.dry_run:
-            add("routed through ReWY", True, "n/a in --dry-run (CPU stand-ins, no routing)")
-        else:
-            rep = modes["rewy"]["report"]
-            reasons = "; ".join(f"{d['op']}: {d['reason']} ({d['calls']})" for d in rep["fallbacks"])
-            hint = " (--force-triton routes it)" if "no ReWY Triton backward" in reasons else ""
-            add("routed through ReWY", rep["routed_calls"] > 0 and rep["fallback_calls"] == 0,
-                f"{rep['routed_calls']} call(s) routed, {rep['fallback_calls']} fell back"
-                + (f": {reasons}{hint}" if reasons else ""))
-        refs = [(r, comps.get(f"rewy vs {r}")) for r in ("fla", "oracle")]
+    if "rewy-stock" in modes:
+        rep = modes["rewy-stock"]["report"]
+        reasons = "; ".join(f"{d['op']}: {d['reason']} ({d['calls']})" for d in rep["fallbacks"])
+        hint = " (--force-triton routes it)" if "no ReWY Triton backward" in reasons else ""
+        add("stock layers routed through ReWY", rep["routed_calls"] > 0 and rep["fallback_calls"] == 0,
+            f"{rep['routed_calls']} call(s) routed, {rep['fallback_calls']} fell back"
+            + (f": {reasons}{hint}" if reasons else "")
+            + ("".join(f"; routed {d['op']} {d['bucket']}: {d['reason']}" for d in rep["routed"][:2])))
+        refs = [(r, comps.get(f"rewy-stock vs {r}")) for r in ("fla-stock", "oracle")]
         refs = [(r, c) for r, c in refs if c is not None]
         if not refs:
-            add("gradients", False, "no reference ran (fla and oracle both missing)")
+            add("gradients", False, "no reference ran (fla-stock and oracle both missing)")
         else:
             loss_ok = any(c["loss_rel_diff"] <= gates.ORDINARY_RTOL for _, c in refs)
             add("loss", loss_ok, ", ".join(f"|d loss| vs {r} {c['loss_abs_diff']:.3g} ({_pct(c['loss_rel_diff'])})"
@@ -538,21 +505,17 @@ def verdict_checks(res: dict, args) -> list[dict]:
                 + (f"; over the threshold of every reference: {_few(sorted(failing))}" if failing else
                    f"; every parameter within {_pct(gates.ORDINARY_RTOL)} ({_pct(gates.GATE_RTOL)} gate path) "
                    "of at least one reference"))
-    through = {m: r["adapter_passthrough"] for m, r in modes.items() if r.get("adapter_passthrough")}
-    if any(MODES.get(m, ("stock",))[0] == "adapted" for m in modes):
-        add("adapter handled every call", not through,
-            f"calls sent to FLA unchanged by the adapter: {through}" if through else "no call passed through unchanged")
-    c = comps.get("fla vs fla-stock")
+    through = {m: r["substitute_passthrough"] for m, r in modes.items() if r.get("substitute_passthrough")}
+    if any(res["mode_layers"].get(m) == "substituted" for m in modes):
+        add("substitute handled every call", not through,
+            f"calls sent to FLA unchanged by the op substitute: {through}" if through
+            else "no call passed through unchanged")
+    c = comps.get("fla-stock vs oracle")
     if c is not None:
-        add("adapter = stock FLA layer", not c["failed"],
-            f"worst {_pct(c['worst_rel_rms'])} ({c['worst_param']}), |d loss| {c['loss_abs_diff']:.3g}"
-            + (f"; over: {_few(c['failed'])}" if c["failed"] else ""))
-    c = comps.get("rewy-stock vs fla-stock")
-    if c is not None:
-        rep = modes["rewy-stock"]["report"]
-        add("enable() on stock layers changes nothing wrong", not c["failed"],
-            f"{rep['routed_calls']} routed / {rep['fallback_calls']} fell back; worst {_pct(c['worst_rel_rms'])}"
-            + (f"; over: {_few(c['failed'])}" if c["failed"] else ""))
+        add("oracle computes the stock layer's call", c["loss_rel_diff"] <= gates.ORDINARY_RTOL,
+            f"|d loss| oracle vs fla-stock {c['loss_abs_diff']:.3g} ({_pct(c['loss_rel_diff'])}), threshold "
+            f"{_pct(gates.ORDINARY_RTOL)}; gradients: worst {_pct(c['worst_rel_rms'])} ({c['worst_param']}), "
+            f"{len(c['failed'])} over (reported, not checked: FLA's own gradient error)")
     if not checks:
         add("anything ran", False, "no mode produced a result")
     return checks
@@ -564,10 +527,10 @@ def print_summary(results: dict, args) -> None:
     print(f"\n=== summary: {args.dtype}, B={args.batch}, T={args.seq_len}, hidden {args.hidden}, {args.layers} layers, "
           f"head dim {args.head_dim}, expand_v {args.expand_v}, policy {args.policy}")
     print(f"    gradient thresholds (rewy_tune.gates): rel-RMS <= {_pct(gates.ORDINARY_RTOL)}, "
-          f"{_pct(gates.GATE_RTOL)} for gate/beta-path parameters; speedup = FLA median / this median, "
-          f"FLA with the same layers (stock or adapted)")
+          f"{_pct(gates.GATE_RTOL)} for gate/beta-path parameters; speedup = fla-stock median / this median")
     if args.dry_run:
-        print("    DRY RUN: CPU stand-ins for the ops; the times below are not a measurement")
+        print("    DRY RUN: CPU; fla-stock is a torch stand-in, rewy-stock runs on the Triton interpreter; "
+              "the times below are not a measurement")
     head = (f"{'model':<6s} {'mode':<10s} {'ReWY calls':>13s} {'loss':>10s} {'|d loss|':>9s} "
             f"{'worst grad rel-RMS':<42s} {'bwd ms':>8s} {'step ms':>8s} {'bwd x':>6s} {'step x':>6s}")
     print(head)
@@ -578,8 +541,7 @@ def print_summary(results: dict, args) -> None:
             print(f"{name:<6s} ERROR {res.get('error', '?')}")
             continue
         comps, timing = res["comparisons"], res.get("timing", {}).get("modes", {})
-        refs = {"fla-stock": [], "rewy-stock": ["fla-stock"], "fla": ["fla-stock", "oracle"], "rewy": ["fla", "oracle"],
-                "oracle": []}
+        refs = {"fla-stock": ["oracle"], "rewy-stock": ["fla-stock", "oracle"], "oracle": []}
         for mode in (*MODES, *[m for m in res["modes"] if m not in MODES]):
             rec = res["modes"].get(mode)
             if rec is None and mode not in res["errors"]:
@@ -601,9 +563,6 @@ def print_summary(results: dict, args) -> None:
             print(f"{name:<6s} {mode:<10s} {calls:>13s} {rec['loss']:>10.5f} {dloss:>9s} {', '.join(worst) or 'ref':<42s} "
                   f"{fmt('median_backward_ms', '{:.3f}'):>8s} {fmt('median_step_ms', '{:.3f}'):>8s} "
                   f"{fmt('speedup_backward', '{:.3f}'):>6s} {fmt('speedup_step', '{:.3f}'):>6s}")
-        e2e = res.get("timing", {}).get("rewy_adapted_vs_fla_stock_step")
-        if e2e is not None:
-            print(f"{name:<6s} step time, rewy (adapted layers) vs fla-stock: {e2e:.3f}x")
     for kind, res in results.items():
         verdict = "PASS" if res.get("passed") else "FAIL"
         print(f"\n{kind.upper()}: {verdict}")
@@ -626,8 +585,9 @@ def _jsonable(x):
 # -- dry run extras ---------------------------------------------------------------------------------------
 
 def dry_run_plumbing(args, raw_argv: list[str]) -> list[str]:
-    """CPU checks of what the GPU run relies on: configs at the requested GPU size build, the adapter and
-    enable()/disable() bindings compose and restore, --force-triton widens the routed set."""
+    """CPU checks of what the GPU run relies on: configs at the requested GPU size build, the op substitute and
+    enable()/disable() bindings compose and restore, FLA's fused activation kernels that enable() calls on CUDA
+    import and accept its calls, --force-triton widens the routed set."""
     from rewy_tune import fla_patch, ops
 
     notes = []
@@ -650,28 +610,36 @@ def dry_run_plumbing(args, raw_argv: list[str]) -> list[str]:
         return getattr(importlib.import_module(module_name), name)
 
     try:
-        harness.set_mode("rewy")
+        harness.set_mode("oracle")
         for op, (mod, name, defining) in LAYER_BINDINGS.items():
-            assert getattr(bound(mod, name), "__rewy_model_check_adapter__", None) == op, f"adapter not installed ({op})"
+            assert getattr(bound(mod, name), "__rewy_model_check_substitute__", None) == op, \
+                f"substitute not installed ({op})"
+            assert not hasattr(bound(defining, name), "__rewy_op__"), f"{defining}.{name} patched with ReWY off"
+        harness.set_mode("rewy-stock")
+        for op, (mod, name, defining) in LAYER_BINDINGS.items():
+            assert getattr(bound(mod, name), "__rewy_op__", None) == op, f"enable() did not patch {mod}.{name}"
             assert getattr(bound(defining, name), "__rewy_op__", None) == op, f"enable() did not patch {defining}.{name}"
         harness.set_mode("fla-stock")
         for op, (mod, name, defining) in LAYER_BINDINGS.items():
             assert bound(mod, name) is originals[op], f"{mod}.{name} not restored"
             assert not hasattr(bound(defining, name), "__rewy_op__"), f"{defining}.{name} still patched"
-        harness.set_mode("rewy-stock")
-        for op, (mod, name, _) in LAYER_BINDINGS.items():
-            assert getattr(bound(mod, name), "__rewy_op__", None) == op, f"enable() did not patch {mod}.{name}"
     finally:
         harness.set_mode(None)
     for op, (mod, name, _) in LAYER_BINDINGS.items():
         assert bound(mod, name) is originals[op], f"{mod}.{name} not restored at the end"
-    notes.append("adapter and enable()/disable(): layer and op bindings installed, patched and restored as expected")
-    fused = LayerAdapter(fused=True)
-    for op in LAYER_BINDINGS:
-        l2norm, _, gate = fused._activations(op)  # the GPU run's activation kernels import and accept the call
-        inspect.signature(gate).bind(torch.zeros(1), torch.zeros(1), torch.zeros(1))
-        inspect.signature(l2norm).bind(torch.zeros(1))
-    notes.append("GPU activation kernels (fla l2norm, fused_beta_sigmoid, fused_kda_gate, fused_gdn_gate) import")
+    notes.append("op substitute and enable()/disable(): layer and op bindings installed, patched and restored as expected")
+    from fla.modules.l2norm import l2norm
+    from fla.ops.common.gate import fused_beta_sigmoid
+    from fla.ops.gated_delta_rule.gate import fused_gdn_gate
+    from fla.ops.kda.gate import fused_kda_gate
+
+    z = torch.zeros(1)  # the calls fla_patch makes on CUDA bind to the functions' signatures
+    inspect.signature(l2norm).bind(z, eps=fla_patch.L2NORM_EPS)
+    inspect.signature(fused_beta_sigmoid).bind(z, scale=2.0)
+    inspect.signature(fused_gdn_gate).bind(z, z, z, output_dtype=torch.float32)
+    inspect.signature(fused_kda_gate).bind(z, z, z, lower_bound=None, output_dtype=torch.float32)
+    notes.append("FLA's fused activation kernels enable() uses on CUDA (l2norm, fused_beta_sigmoid, fused_gdn_gate, "
+                 "fused_kda_gate) import and accept its calls")
     with routing(True) as forced:
         assert "kda" in fla_patch._triton_ops(), "--force-triton did not admit kda"
     notes.append(f"routing: enable() routes {sorted(ops._auto_ops())} by default, {forced} with --force-triton")
@@ -683,6 +651,11 @@ def dry_run_plumbing(args, raw_argv: list[str]) -> list[str]:
 def main(argv=None) -> int:
     raw_argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(raw_argv)
+    if args.dry_run:  # the routed ReWY backward runs on the Triton interpreter: chosen before Triton is imported
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("--dry-run needs TRITON_INTERPRET=1 before Triton is imported", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
         import fla.models  # noqa: F401 - flash-linear-attention (the `models` extra) provides fla.models
     except ImportError as exc:
@@ -696,8 +669,6 @@ def main(argv=None) -> int:
             print("no CUDA GPU: this check runs on a GPU; --dry-run checks the script on a CPU", file=sys.stderr)
             return 2
         device, modes = torch.device("cuda", torch.cuda.current_device()), MODES
-        if args.no_stock:
-            modes = {m: v for m, v in MODES.items() if v[0] != "stock"}
     dtype = DTYPES[args.dtype]
     harness = Harness(args, device, modes)
     versions = measure.software_versions()
@@ -716,7 +687,7 @@ def main(argv=None) -> int:
                modes={m: v[3] for m, v in modes.items()}, models={})
     print("rewy-tune model check  " + "  ".join(f"{k} {v}" for k, v in versions.items()))
     with contextlib.ExitStack() as stack:
-        routed = stack.enter_context(routing(args.force_triton))
+        routed = stack.enter_context(routing(args.force_triton, interpreter=args.dry_run))
         from rewy_tune.kernels.triton_function import GPU_VERIFIED_OPS
 
         if args.force_triton:
@@ -725,6 +696,8 @@ def main(argv=None) -> int:
         else:
             route_note = (f"enable() with backend auto: routes the GPU-verified ops {routed}; KDA falls back to FLA "
                           "unless --force-triton")
+        if args.dry_run:
+            route_note += "; dry run: enable() also admits CPU tensors, the routed backward runs on the Triton interpreter"
         print("routing: " + route_note)
         out["routing"] = dict(force_triton=args.force_triton, routed_ops=routed, gpu_verified_ops=list(GPU_VERIFIED_OPS),
                               note=route_note)

@@ -120,7 +120,7 @@ def test_fallbacks_call_fla_and_are_counted(stubs):
     assert fla_ops.chunk_delta_rule(q, k, v, beta, output_final_state=True) == ("fla", "deltanet")
     cu = torch.tensor([0, 32])
     assert gdn_mod.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu) == ("fla", "gdn")
-    assert gdn_mod.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True) == ("fla", "gdn")
+    assert gdn_mod.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True) == ("fla", "gdn")  # no A_log
     q2, k2, v2 = _inputs(HV=4)
     assert gdn_mod.chunk_gated_delta_rule(q2, k2, v2, -torch.rand(1, 32, 4), torch.rand(1, 32, 4)) == ("fla", "gdn")
     q3, k3, v3 = _inputs(dtype=torch.float64)
@@ -133,7 +133,8 @@ def test_fallbacks_call_fla_and_are_counted(stubs):
     assert rep["routed"] == [] and rep["routed_calls"] == 0 and rep["fallback_calls"] == 7
     got = {(d["op"], d["reason"]): d["calls"] for d in rep["fallbacks"]}
     assert got == {("gdn", "not CUDA"): 1, ("deltanet", "not CUDA"): 1, ("kda", "not CUDA"): 1,
-                   ("gdn", "varlen (cu_seqlens)"): 1, ("gdn", "in-kernel q/k l2norm"): 1,
+                   ("gdn", "varlen (cu_seqlens)"): 1,
+                   ("gdn", "in-kernel gate without A_log (FLA rejects it)"): 1,
                    ("gdn", "GVA (v heads 4 != q heads 2)"): 1, ("deltanet", "dtype float64"): 1}
     rewy_tune.disable()
     gdn_mod.chunk_gated_delta_rule(q, k, v, g, beta)  # after disable: FLA directly, not counted
