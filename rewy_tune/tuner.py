@@ -402,11 +402,12 @@ class Campaign:
                     break
                 batch = [t for t in (self._ask(st) for _ in range(self._batch_size(st))) if t is not None]
                 gates = self._gate_batch(batch, gaters)
-                for i, (pending, gate) in enumerate(zip(batch, gates)):
-                    if self.stop.is_set():
-                        for rest in batch[i:]:
-                            self._abandon(st, rest["trial"])
-                        break
+                for pending, gate in zip(batch, gates):
+                    # Ctrl-C: every trial of the batch is re-enqueued. Budget spent: failed gates are
+                    # recorded (nothing left to do), passed ones are re-enqueued rather than timed.
+                    if self.stop.is_set() or (gate.status == "ok" and not self._budget_left()):
+                        self._abandon(st, pending["trial"])
+                        continue
                     self._measure_and_tell(st, pending, gate, worker)
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not pass silently
             import traceback

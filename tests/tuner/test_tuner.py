@@ -239,3 +239,17 @@ def test_parallel_gates_record_every_fault_once_and_promote_a_correct_winner(tmp
     dbo.close()
     finished = _study_trials(storage, c.study_name)
     assert sorted(t.number for t in finished) == sorted(numbers)
+
+
+def test_budget_spent_during_a_batch_re_enqueues_gated_trials_and_resume_times_them(tmp_path):
+    """--compile-jobs 2 --time-budget 1s: the first batch is gated past the budget; its passed trials are
+    re-enqueued instead of timed (nothing recorded as ok), and --resume times exactly those schedules."""
+    db, storage = str(tmp_path / "b.db"), str(tmp_path / "b.journal")
+    common = ["--device", "cpu", "--op", "gdn", "--shapes", "1,64,1", "--db", db, "--storage", storage,
+              "--seed", "3", "--compile-jobs", "2"]
+    cli(*common, "--trials", "2", "--time-budget", "1s")
+    assert all(status != "ok" for rows in _trials(db).values() for _, status, _ in rows)
+    cli(*common, "--trials", "2", "--resume")
+    (rows,) = _trials(db).values()
+    assert len(rows) == 2 and all(status == "ok" for _, status, _ in rows), rows
+    assert len({json.dumps(sch, sort_keys=True) for _, _, sch in rows}) == 2
