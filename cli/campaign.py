@@ -69,7 +69,7 @@ def load_workload(path: str) -> dict:
 
 
 def build_config(*, device: str, op: str, policy: str, shapes, workload, head_dim, trials, time_budget, db,
-                 storage, workers, resume, trial_timeout, seed, compile_jobs=None):
+                 storage, workers, resume, trial_timeout, seed, compile_jobs=None, share_trials=True):
     """Validate every option (no side effects) and return a CampaignConfig."""
     from rewy_tune.cli.bench import parse_shapes
     from rewy_tune.db.engine import as_db_url, default_db_url
@@ -126,7 +126,7 @@ def build_config(*, device: str, op: str, policy: str, shapes, workload, head_di
         device=dev, environment=current_environment(), ops=ops,
         policies=["R", "A"] if policy == "both" else [policy], shapes=shape_list, K=K, V=V, dtype=dtype,
         trials=trials, time_budget_s=budget_s, db_url=as_db_url(db) if db else default_db_url(),
-        storage_url=storage, workers=workers, resume=resume, compile_jobs=compile_jobs,
+        storage_url=storage, workers=workers, resume=resume, compile_jobs=compile_jobs, share_trials=share_trials,
         trial_timeout_s=trial_timeout if trial_timeout else (120.0 if dev.is_cpu else 300.0), seed=seed)
 
 

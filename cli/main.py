@@ -26,6 +26,7 @@ def root(
     db: Optional[str] = typer.Option(None, help="database URL or SQLite path (default: REWY_DB or the data dir)"),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL or journal file (default: beside the db)"),
     workers: int = typer.Option(1, help="worker processes sharing the study (one per GPU)"),
+    share_trials: bool = typer.Option(True, "--share-trials/--no-share-trials", help="time each gated schedule on every bucket of its operator and policy (one compilation, a trial per bucket)"),
     compile_jobs: Optional[int] = typer.Option(None, "--compile-jobs", help="trials gated (and compiled) in parallel per worker before timing one by one (default: GPU min(8, cores/2/workers); cpu 1)"),
     resume: bool = typer.Option(False, "--resume", help="continue the newest campaign of the same studies"),
     trial_timeout: Optional[float] = typer.Option(None, "--trial-timeout", help="seconds per worker request"),
@@ -49,7 +50,7 @@ def root(
                                        workload=workload, head_dim=head_dim, trials=trials,
                                        time_budget=time_budget, db=db, storage=storage, workers=workers,
                                        resume=resume, trial_timeout=trial_timeout, seed=seed,
-                                       compile_jobs=compile_jobs)
+                                       compile_jobs=compile_jobs, share_trials=share_trials)
     except campaign.BadInput as exc:
         _fail(str(exc))
     raise typer.Exit(code=campaign.run_campaign(config, console))

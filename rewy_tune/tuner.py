@@ -12,7 +12,10 @@ Flow (architecture.md, Tuner):
    With `--compile-jobs N` (N > 1, the GPU default) a worker asks N trials at once, gates them in N
    processes in parallel (each gate also runs every workload shape once, filling Triton's on-disk
    cache) and then times them one by one in its single measuring process: compilation, not timing,
-   is what a GPU trial spends its time on, and timing must have the GPU to itself.
+   is what a GPU trial spends its time on, and timing must have the GPU to itself. A schedule that passed
+   its gates is then also timed on the other buckets of the same operator and policy and recorded there as
+   a trial of their studies (`share_trials`): the kernels compile once for every shape, so one compilation
+   buys a trial in every bucket.
 3. Budget: `--trials` (per study) and/or `--time-budget`. Ctrl-C abandons running trials (they are
    re-enqueued) and marks the campaign interrupted. A SIGKILLed campaign's running trials are
    reconciled on `--resume`: a trial whose row reached the database is told its recorded result; one
@@ -110,6 +113,9 @@ class CampaignConfig:
     # compiled kernels) and then times them one by one in its measuring process: compilation is
     # CPU-bound and dominates a GPU trial, timing must not share the GPU.
     compile_jobs: int = 1
+    # A schedule that passed its gates is also timed on the other buckets of its operator and policy and
+    # recorded there as a trial: one compilation (minutes) buys a trial in every bucket (seconds each).
+    share_trials: bool = True
 
     @property
     def device_kind(self) -> str:
@@ -258,7 +264,9 @@ class Campaign:
                         sampler=_sampler(cfg.seed),
                         pruner=CannotBeatBestPruner(0.5 if cfg.device.is_cpu else 0.15), load_if_exists=True)
                     self._reconcile(st)
-                    if not st.study.get_trials(deepcopy=False):
+                    # Shared trials carry the seeds (default, known winners) from the first bucket to the others.
+                    first = not any((o.op, o.policy) == (op, policy) for o in self.states)
+                    if not st.study.get_trials(deepcopy=False) and (first or not cfg.share_trials):
                         self._seed(st)
                     self._refresh(st)
                     self.states.append(st)
@@ -539,6 +547,64 @@ class Campaign:
                      message="interpreter timings" if cfg.device.is_cpu else None)
         st.study.tell(trial, value)
         self._done(st)
+        if cfg.share_trials:
+            self._share(st, trial, pending, gate, worker)
+
+    def _share(self, st: StudyState, trial, pending: dict[str, Any], gate, worker: TrialWorker) -> None:
+        """Time a gated schedule on the other buckets of the same operator and policy and record it in each
+        bucket's study as a trial of its own (same parameters, that bucket's shapes). The trial is created
+        RUNNING with host and pid, so a campaign killed midway reconciles it like any other."""
+        from rewy_tune.db import queries
+
+        cfg = self.config
+        for other in self.states:
+            if other is st or (other.op, other.policy) != (st.op, st.policy):
+                continue
+            if other.target is not None and len(self._counted(other)) >= other.target:
+                continue
+            if self.stop.is_set() or not self._budget_left():
+                return
+            storage = other.study._storage
+            tid = storage.create_new_trial(other.study._study_id)
+            for name, dist in trial.distributions.items():
+                storage.set_trial_param(tid, name, dist.to_internal_repr(trial.params[name]), dist)
+            for key, val in (("host", HOST), ("pid", os.getpid()), ("seed", f"shared from {st.bucket.label} trial {trial.number}")):
+                storage.set_trial_user_attr(tid, key, val)
+            number = storage.get_trial_number_from_id(tid)
+            samples: dict[str, list[float]] = {}
+            baseline: dict[str, list[float]] = {}
+            bench_s, failure = 0.0, None
+            for shape in other.shapes:
+                m = worker.request({"kind": "measure", "shape": list(shape), **pending["task"]}, cfg.trial_timeout_s)
+                if self.stop.is_set():
+                    storage.set_trial_user_attr(tid, "abandoned", True)
+                    storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
+                    return
+                if m.status != "ok":
+                    failure = (m.status, f"{shape_label(shape)}: {m.message}")
+                    break
+                samples[shape_label(shape)] = m.data["ours_ms"]
+                if m.data.get("baseline_ms"):
+                    baseline[shape_label(shape)] = m.data["baseline_ms"]
+                bench_s += m.data.get("bench_s", 0.0)
+            status, message = failure if failure else ("ok", "interpreter timings" if cfg.device.is_cpu else None)
+            message = "; ".join(x for x in (message, f"shared from {st.bucket.label} trial {trial.number}") if x)
+            with self.db.session() as s:
+                queries.add_trial(s, other.campaign_id, number=number, schedule=pending["schedule"], status=status,
+                                  errors=gate.errors, samples_ms=samples, compile_s=None, bench_s=bench_s,
+                                  message=message)
+                for label, xs in baseline.items():
+                    queries.add_baseline(s, other.campaign_id, shape=label, samples_ms=xs)
+            storage.set_trial_user_attr(tid, "status", status)
+            if failure is None:
+                value = geomean([statistics.median(x) for x in samples.values()])
+                if baseline:
+                    storage.set_trial_user_attr(tid, "speedup", geomean(
+                        [statistics.median(x) for x in baseline.values()]) / value)
+                storage.set_trial_state_values(tid, optuna.trial.TrialState.COMPLETE, [value])
+            else:
+                storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
+            self._done(other)
 
     def _done(self, st: StudyState) -> None:
         self._refresh(st)

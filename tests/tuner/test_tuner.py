@@ -253,3 +253,32 @@ def test_budget_spent_during_a_batch_re_enqueues_gated_trials_and_resume_times_t
     (rows,) = _trials(db).values()
     assert len(rows) == 2 and all(status == "ok" for _, status, _ in rows), rows
     assert len({json.dumps(sch, sort_keys=True) for _, _, sch in rows}) == 2
+
+
+def _rows_with_messages(db_url):
+    db = open_db(db_url, read_only=True)
+    with db.session() as s:
+        out = {c.id: [(t.number, t.status, dict(t.schedule), t.message or "", t.compile_s)
+                      for t in queries.campaign_trials(s, c.id, limit=10000).items]
+               for c in queries.campaigns(s, limit=1000)}
+    db.close()
+    return out
+
+
+def test_a_gated_schedule_is_timed_and_recorded_in_every_bucket(tmp_path):
+    """Two buckets (the CPU default shapes), --trials 3: schedules compiled and gated in one bucket are
+    recorded in the other as trials of its own study ("shared from ..."), with that bucket's timings; with
+    --no-share-trials every trial is gated in its own bucket."""
+    db = str(tmp_path / "s.db")
+    cli("--device", "cpu", "--op", "gdn", "--trials", "3", "--db", db, "--seed", "4", "--compile-jobs", "2")
+    camps = _rows_with_messages(db)
+    assert len(camps) == 2 and all(len(rows) == 3 for rows in camps.values())
+    shared = [r for rows in camps.values() for r in rows if "shared from" in r[3]]
+    gated = [r for rows in camps.values() for r in rows if "shared from" not in r[3]]
+    assert shared and all(r[4] is None and r[1] == "ok" for r in shared)
+    all_gated_schedules = [r[2] for r in gated]
+    assert all(r[2] in all_gated_schedules for r in shared)
+    assert len(gated) < 6  # fewer compilations than trials
+    db2 = str(tmp_path / "n.db")
+    cli("--device", "cpu", "--op", "gdn", "--trials", "2", "--db", db2, "--seed", "4", "--no-share-trials")
+    assert not any("shared from" in r[3] for rows in _rows_with_messages(db2).values() for r in rows)
