@@ -72,8 +72,9 @@ def make_inputs(op, B, T, H, K, V, *, dtype=torch.float32, device="cpu", seed=0,
 
 
 def oracle(x, C=64):
-    """float64 forward + ReWY backward of the torch reference (separate erase/write parts)."""
-    d = {n: (t.double().cpu() if t is not None else None) for n, t in x.items()}
+    """float64 forward + ReWY backward of the torch reference (separate erase/write parts), on the inputs'
+    device (on the GPU the float64 reference at the benchmark shapes takes seconds, on the host minutes)."""
+    d = {n: (t.double() if t is not None else None) for n, t in x.items()}
     scale = d["q"].shape[-1] ** -0.5
     fwd = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["beta"], d["beta"], scale=scale,
                         initial_state=d["h0"], chunk_size=C)
