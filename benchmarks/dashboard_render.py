@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,33 +88,13 @@ def time_fixture(trials: int, repeat: int, tmp: str) -> None:
                   f"warm best {min(times) * 1000:.0f} ms (CPU {min(cpu) * 1000:.0f} ms), {size / 1e6:.2f} MB")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def screenshot(path: str, page_url: str, out: Path, chromium: str) -> None:
     """Serve `path` with `rewy-tune serve` and save a full-page screenshot of `page_url`."""
-    import httpx
     from playwright.sync_api import sync_playwright
 
-    port = _free_port()
-    cmd = [sys.executable, "-c", "from rewy_tune.cli.main import main; main()", "serve", "--db", path,
-           "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/api/devices", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"rewy-tune serve did not come up on {base}")
-            time.sleep(0.2)
+    from rewy_tune.server.subprocess_server import served
+
+    with served(path) as base:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             try:
@@ -130,12 +108,6 @@ def screenshot(path: str, page_url: str, out: Path, chromium: str) -> None:
                 print(f"screenshot of {page_url} ({page.title()!r}, loaded in {load_ms:.0f} ms in chromium) -> {out}")
             finally:
                 browser.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main() -> None:

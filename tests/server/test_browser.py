@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -19,38 +13,15 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's ch
                                 "(apt-get install -y chromium; .ci/run installs it)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(fixture_db):
-    port = _free_port()
-    cmd = [sys.executable, "-c", "from rewy_tune.cli.main import main; main()", "serve", "--db", fixture_db,
-           "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
+    from rewy_tune.server.subprocess_server import ServerDidNotStart, served
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/api/devices", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""
-                pytest.fail(f"rewy-tune serve did not come up on {url}: {out[-2000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with served(fixture_db) as url:
+            yield url
+    except ServerDidNotStart as exc:
+        pytest.fail(str(exc))
 
 
 def test_overview_to_device_page_in_chromium(server):
