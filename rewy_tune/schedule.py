@@ -16,7 +16,8 @@ Stage map (rewy-math §§3–6):
 Which StageConfig members a stage reads: recompute, dv_local, consumer_cfg all four; forward_scan and
 reverse_scan all four (block_k must cover K); producer block_v, num_warps, num_stages; cumsum num_warps
 (and block_k for vector gates). The search spaces pin the members a stage does not read to one value.
-``intra`` is read only by vector-gate operators (KDA/GDN2); scalar gates form Λ exactly and accept any value.
+``intra`` and ``intra_precision`` are read only by vector-gate operators (KDA/GDN2); scalar gates form Λ exactly
+and accept any value.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CONSUMER_MODES = ("joint", "separate")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
+INTRA_PRECISIONS = ("ieee", "tf32x3")
 CHUNK_SIZES = (16, 32, 64)
 STAGES = ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg", "cumsum")
 
@@ -93,6 +95,7 @@ class Schedule:
     consumer: str = "joint"  # "joint": producer fused into the consumer; "separate": P, D via memory
     pd_dtype: str = "fp32"  # storage dtype of P and D when consumer == "separate"
     intra: str = "auto"  # vector-gate intra (KDA/GDN2): centred whole-chunk or 16-row sub-chunk
+    intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee") or 3×tf32 ("tf32x3")
     forward_scan_segments: int = 1  # sequence split of the forward scan (parallel segments, see scan.py)
     reverse_scan_segments: int = 1  # sequence split of the reverse scan
 
@@ -110,7 +113,8 @@ class Schedule:
             if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 64:
                 raise ValueError(f"Schedule.{name} must be an int in [1, 64], got {val!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
-                              ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES)):
+                              ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
+                              ("intra_precision", INTRA_PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

@@ -19,7 +19,7 @@ the centred products (Δ_tile ≤ 128) and the sub-chunk products. The consumer 
 into an int32 flag tensor (1 centred, 2 sub-chunk) so tests can check dispatch.
 
 Precision (§8.1): every α/ζ-scaled operand and both coefficient adjoints H, D stay fp32, and all intra products
-use ``tl.dot(..., input_precision="ieee")`` on fp32 operands (no tf32/bf16 rounding of fp32 working matrices).
+use ``tl.dot(..., input_precision=IPREC)`` on fp32 operands (no tf32/bf16 rounding of fp32 working matrices).
 The input-side products (dO Rᵀ, AᵀR̄, P S0ᵀ, dO S0ᵀ, R dS1ᵀ) read input-dtype storage with fp32 accumulation.
 
 Transposes: as in local.py (FLA issue 640, Triton 3.6 on Hopper), no ``tl.dot`` result is transposed in registers.
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rewy_tune.schedule import Schedule
+from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
@@ -79,7 +79,7 @@ def rewy_bwd_kernel_dv_local_vector(
     T, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr,
+    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -110,7 +110,7 @@ def rewy_bwd_kernel_dv_local_vector(
         if _use_centred(delta, INTRA, MAX_RANGE):
             b_y = b_k * tl.exp(tl.where(m_rk, b_c[None, :] - b_g, 0.0))
             b_qa = b_qt * tl.exp(tl.where(m_kr, b_gt - b_c[:, None], 0.0))
-            b_at += tl.dot(b_y, b_qa, input_precision="ieee")
+            b_at += tl.dot(b_y, b_qa, input_precision=IPREC)
         else:
             # Off-diagonal blocks: column block I of i (the q side), anchored at its first row a.
             for ib in range(1, BT // BC):
@@ -120,7 +120,7 @@ def rewy_bwd_kernel_dv_local_vector(
                 b_y = b_k * tl.exp(tl.where(m_y, b_ga[None, :] - b_g, float("-inf")))
                 m_q = m_k[:, None] & ((o_i >= a) & (o_i < a + BC) & m_row)[None, :]
                 b_qa = b_qt * tl.exp(tl.where(m_q, b_gt - b_ga[:, None], float("-inf")))
-                b_at += tl.dot(b_y, b_qa, input_precision="ieee")
+                b_at += tl.dot(b_y, b_qa, input_precision=IPREC)
             # Diagonal blocks, exact pairwise Λ: row j meets column i(j) = block start + d.
             for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
                 o_c = blk + d
@@ -140,12 +140,13 @@ def rewy_bwd_kernel_dv_local_vector(
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_dv = tl.dot(b_at, b_do, input_precision="ieee")
+        b_dv = tl.dot(b_at, b_do, input_precision=IPREC)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
 
 
 def dv_local_vector(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
-                    num_warps: int = 4, num_stages: int = 2, intra: str = "auto") -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int = 2, intra: str = "auto",
+                    intra_precision: str = "ieee") -> torch.Tensor:
     """dv_local = A_qkᵀ dO per chunk for a vector gate G [B,T,H,K] (fp32 natural log); [B,T,H,V] in do's dtype."""
     B, T, H, K = q.shape
     V = do.shape[-1]
@@ -157,6 +158,7 @@ def dv_local_vector(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int 
         q, k, G, do, dv, T, float(scale),
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
         INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
+        IPREC=_intra_precision(intra_precision),
         num_warps=num_warps, num_stages=num_stages,
     )
     return dv
@@ -173,7 +175,7 @@ def rewy_bwd_kernel_consumer_vector(
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
-    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr,
+    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -298,10 +300,10 @@ def rewy_bwd_kernel_consumer_vector(
             b_ct = b_gt - b_c[:, None]
             b_at_ = tl.exp(tl.where(m_kr, b_ct, 0.0))
             b_zt = tl.exp(tl.where(m_kr, -b_ct, 0.0))
-            b_xq = b_a * tl.dot(b_H, b_y, input_precision="ieee")
-            b_xe = b_a * tl.dot(b_D, b_y, input_precision="ieee")
-            b_uyt = tl.dot(b_sqt * b_at_, b_H, input_precision="ieee")
-            b_uyt = tl.dot(b_ekt * b_at_, b_D, b_uyt, input_precision="ieee")
+            b_xq = b_a * tl.dot(b_H, b_y, input_precision=IPREC)
+            b_xe = b_a * tl.dot(b_D, b_y, input_precision=IPREC)
+            b_uyt = tl.dot(b_sqt * b_at_, b_H, input_precision=IPREC)
+            b_uyt = tl.dot(b_ekt * b_at_, b_D, b_uyt, input_precision=IPREC)
             b_xyt = b_zt * b_uyt
         else:
             b_xq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -317,8 +319,8 @@ def rewy_bwd_kernel_consumer_vector(
                     b_y = b_k * tl.exp(tl.where(m_y, b_ga[None, :] - b_g, float("-inf")))
                     m_a = ((o_i >= a) & (o_i <= z) & m_row)[:, None] & m_k[None, :]
                     b_a = tl.exp(tl.where(m_a, b_g - b_ga[None, :], float("-inf")))
-                    b_xq += b_a * tl.dot(b_H, b_y, input_precision="ieee")
-                    b_xe += b_a * tl.dot(b_D, b_y, input_precision="ieee")
+                    b_xq += b_a * tl.dot(b_H, b_y, input_precision=IPREC)
+                    b_xe += b_a * tl.dot(b_D, b_y, input_precision=IPREC)
                 if ib < BT // BC - 1:
                     # Column side: block I against the rows after it, anchored at row z.
                     b_gz = tl.sum(tl.where((o_i == z)[None, :], b_gt, 0.0), axis=1)
@@ -327,8 +329,8 @@ def rewy_bwd_kernel_consumer_vector(
                     b_af = tl.exp(tl.where(m_af, b_gt - b_gz[:, None], float("-inf")))
                     m_z = m_k[:, None] & ((o_i >= a) & (o_i <= z) & m_row & has_after)[None, :]
                     b_zt = tl.exp(tl.where(m_z, b_gz[:, None] - b_gt, float("-inf")))
-                    b_uyt = tl.dot(b_sqt * b_af, b_H, input_precision="ieee")
-                    b_uyt = tl.dot(b_ekt * b_af, b_D, b_uyt, input_precision="ieee")
+                    b_uyt = tl.dot(b_sqt * b_af, b_H, input_precision=IPREC)
+                    b_uyt = tl.dot(b_ekt * b_af, b_D, b_uyt, input_precision=IPREC)
                     b_xyt += b_zt * b_uyt
             # Diagonal blocks, exact pairwise Λ.
             for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
@@ -399,6 +401,15 @@ def _check_vector_gate(G, shape) -> None:
                          f"got {None if G is None else tuple(G.shape)}")
 
 
+def _intra_precision(name: str) -> str:
+    """tl.dot precision of the fp32 intra products: "ieee" (FMA, exact fp32 products) or "tf32x3" (three
+    tensor-core products of the split operands, ~fp32 accuracy, a fraction of the instructions). The
+    Triton interpreter ignores it (numpy fp32 matmul), so only the GPU gate can tell them apart."""
+    if name not in INTRA_PRECISIONS:
+        raise ValueError(f"intra_precision must be one of {INTRA_PRECISIONS}, got {name!r}")
+    return name
+
+
 def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
     validate_chunk_size(chunk_size)
     validate_tile("BK", BK, hi=256)
@@ -408,7 +419,7 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                    intra: str = "auto"):
+                    intra: str = "auto", intra_precision: str = "ieee"):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise.
 
     Returns (dq, dk, dv, Gbar, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
@@ -448,6 +459,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
         ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
         INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
+        IPREC=_intra_precision(intra_precision),
         num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv, gbar, derase, dwrite, paths
@@ -492,10 +504,11 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
     from .pipeline import run_stages
 
     def dv_local(*args, **kwargs):
-        return dv_local_vector(*args, intra=schedule.intra, **kwargs)
+        return dv_local_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision, **kwargs)
 
     def consumer(*args, **kwargs):
-        *grads, flags = consumer_vector(*args, intra=schedule.intra, **kwargs)
+        *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,
+                                        **kwargs)
         if intra_paths is not None:
             intra_paths["flags"] = flags
         return grads

@@ -174,6 +174,7 @@ FIELD_CHANGES = {
     "consumer": "separate",
     "pd_dtype": "input",  # read in separate mode
     "intra": "centred",
+    "intra_precision": "tf32x3",  # read by vector gates only (test_triton_vector.py)
     "forward_scan_segments": 2,
     "reverse_scan_segments": 3,
 }

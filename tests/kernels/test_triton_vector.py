@@ -136,6 +136,20 @@ def test_joint_centred(op, T):
     assert_gates(out, oracle(x), ctx=f"{op} T{T} {policy}")
 
 
+@pytest.mark.parametrize("decay", ["normal", "strong"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_intra_precision_tf32x3(op, decay):
+    # The interpreter computes every tl.dot in fp32 whatever input_precision says: this checks the plumbing
+    # and both intra paths; whether 3×tf32 holds the gate is the GPU test's question (test_gpu_fp32_gate).
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=41, decay=decay)
+    paths = {}
+    out = run_triton(x, BASE.replace(intra_precision="tf32x3"), "R", paths)
+    assert (PATH_SUBCHUNK in path_set(paths)) == (decay == "strong")
+    assert_gates(out, oracle(x), ctx=f"{op} tf32x3 {decay}")
+    with pytest.raises(ValueError, match="intra_precision must be one of"):
+        BASE.replace(intra_precision="tf32")
+
+
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("name", list(SEPARATE))
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
@@ -356,14 +370,15 @@ def _gpu_schedule(KV):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
 @pytest.mark.parametrize("decay", ["normal", "strong"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_fp32_gate(op, decay, consumer):
-    # fp32 inputs on the GPU, held to the project gate (ieee fp32 intra products; no open defect here).
+def test_gpu_fp32_gate(op, decay, consumer, precision):
+    # fp32 inputs on the GPU, held to the project gate, for both intra-product precisions.
     x = make_inputs(op, 1, 2048, 4, 128, 128, device="cuda", seed=3, decay=decay, gate_div=16.0)
     paths = {}
-    out = run_triton(x, _gpu_schedule(128).replace(consumer=consumer), "R", paths)
+    out = run_triton(x, _gpu_schedule(128).replace(consumer=consumer, intra_precision=precision), "R", paths)
     assert PATH_SUBCHUNK in path_set(paths) if decay == "strong" else path_set(paths) == {PATH_CENTRED}
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu fp32 {op} {decay} {consumer}")
 
