@@ -2,9 +2,10 @@
 
 The space is conditional (Optuna groups): producer tiles and `pd_dtype` exist only when
 ``consumer == "separate"``; `intra` only for the vector-gate operators (KDA, GDN2). The scans' block_k
-is pinned to cover K. When `rewy_tune.search_spaces` provides `suggest`, `constraint` or
-`default_schedule`, those are used (their keyword arguments are matched by name), so the tuner needs
-no change as the per-operator spaces grow.
+is pinned to cover K. When `rewy_tune.search_spaces` provides `space`, `conditions`, `constraint` or
+`default_schedule`, those are used (their keyword arguments are matched by name, `op=` included), so the
+tuner needs no change as the per-operator spaces grow: `search_spaces` dispatches on `op` (scalar space
+for DeltaNet/GDN, vector space for KDA/GDN2).
 
 Test-only: with `REWY_TUNE_TEST_FAULTS=1` the space gains a `test_fault` parameter (none, hang, crash,
 wrong, nondet, compile) that the trial worker acts on; it is never part of a Schedule.
@@ -122,6 +123,8 @@ def declarative_space(op: str, K: int, V: int, interpreter: bool):
                 choices[name] = small or vals[:1]
             elif name.endswith("_segments"):
                 choices[name] = [v for v in vals if v <= 2] or vals[:1]
+    if hasattr(ss, "conditions"):
+        return choices, dict(_call(ss.conditions, op=op))
     return choices, dict(getattr(ss, "CONDITIONS", {}))
 
 
@@ -179,7 +182,9 @@ def suggest_schedule(trial, *, op: str, K: int, V: int, compute_capability: tupl
     else:
         values["producer"] = StageConfig(blocks[-1], blocks[-1], 4, 2)
     if op in VECTOR_GATE_OPS:
-        values["intra"] = trial.suggest_categorical("intra", ("centred", "subchunk"))
+        # "centred" without the range guard overflows fp32 on strong decays: only the guarded "auto" and the
+        # always-safe "subchunk" are searched.
+        values["intra"] = trial.suggest_categorical("intra", ("auto", "subchunk"))
     return Schedule(**values)
 
 
@@ -225,7 +230,7 @@ def schedule_params(schedule: Schedule, *, op: str, K: int, V: int, interpreter:
         p["producer.num_warps"] = schedule.producer.num_warps
         p["producer.num_stages"] = schedule.producer.num_stages
     if op in VECTOR_GATE_OPS:
-        p["intra"] = schedule.intra if schedule.intra != "auto" else "centred"
+        p["intra"] = schedule.intra
     # Check that the values lie in the space (categorical choices) by replaying them.
     import optuna
 

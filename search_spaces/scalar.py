@@ -182,6 +182,25 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     problem_dims: a mapping or object with K, V and optionally dtype ("bf16" | "fp16" | "fp32"),
     compute_capability (tuple) or smem_limit (bytes; default 232448 = H100/H200)."""
     K, V, e, smem_limit = _dims(problem_dims)
+    reasons = tile_reasons(schedule, K, V)
+    reasons += resource_reasons(shared_memory_estimate(schedule, K, V, e), register_estimate(schedule, K, V),
+                                smem_limit)
+    reasons += segment_reasons(schedule, K, smem_limit)
+    return reasons
+
+
+def resource_reasons(shared: dict[str, int], registers: dict[str, float], smem_limit: int) -> list[str]:
+    """Reasons from a resource model's per-stage estimates: shared memory over the device limit, or more live
+    fp32 values per thread than fit in registers (shared by the scalar and vector models)."""
+    reasons = [f"{stage}: shared memory estimate {need} B > device limit {smem_limit} B"
+               for stage, need in shared.items() if need > smem_limit]
+    reasons += [f"{stage}: ~{regs:.0f} live fp32 values per thread > {MAX_ACC_PER_THREAD} (would spill)"
+                for stage, regs in registers.items() if regs > MAX_ACC_PER_THREAD]
+    return reasons
+
+
+def tile_reasons(schedule: Schedule, K: int, V: int) -> list[str]:
+    """Reasons from the head dims, tiles and chunk size alone (no resource model): shared by every operator."""
     reasons: list[str] = []
     if K > 256 or V > 256:
         reasons.append(f"head dims K={K}, V={V} exceed 256 (Triton kernels' limit)")
@@ -206,18 +225,17 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     if schedule.chunk_size != 64:
         reasons.append(f"chunk_size={schedule.chunk_size}: FLA's forward saves A at chunk 64 (the only size the "
                        "CUDA forward provides)")
-    for stage, need in shared_memory_estimate(schedule, K, V, e).items():
-        if need > smem_limit:
-            reasons.append(f"{stage}: shared memory estimate {need} B > device limit {smem_limit} B")
+    return reasons
+
+
+def segment_reasons(schedule: Schedule, K: int, smem_limit: int) -> list[str]:
+    """The segment-combine kernel that num_segments > 1 launches must fit (same kernel for every gate type)."""
+    reasons: list[str] = []
     for name in ("forward_scan_segments", "reverse_scan_segments"):
         nseg = getattr(schedule, name)
         if nseg > 1 and combine_shared_memory(K) > smem_limit:
             reasons.append(f"{name}={nseg}: segment-combine kernel shared memory {combine_shared_memory(K)} B > "
                            f"device limit {smem_limit} B")
-    for stage, regs in register_estimate(schedule, K, V).items():
-        if regs > MAX_ACC_PER_THREAD:
-            reasons.append(f"{stage}: ~{regs:.0f} live fp32 accumulator values per thread > {MAX_ACC_PER_THREAD} "
-                           "(would spill)")
     return reasons
 
 

@@ -1,0 +1,226 @@
+"""Search space of the ReWY backward for the vector-gate operators: KDA and GDN2 (per-channel gates G [B,T,H,K]).
+
+Same layout as `scalar.py` (whose helpers it imports): `space(K, V)`, `CONDITIONS`, `schedule_from_params`,
+`constraint(schedule, problem_dims)`, `default_schedule(compute_capability)`. What differs is what the
+vector-gate pipeline compiles (`kernels/triton/pipeline.py` → `vector_local.py`):
+
+- vector-only choices the kernels read: ``intra`` (``dv_local_vector`` and ``consumer_vector``: "auto" = the
+  guarded centred products with the 16-row sub-chunk fallback, "subchunk" = always the fallback; "centred"
+  alone drops the range guard and overflows fp32 on strong decays, so it is not in the space and
+  `constraint` rejects it) and ``cumsum.block_k`` (the feature tile of the vector chunk cumsum and of the
+  reverse cumsum of Ḡ). The sub-chunk row block BC = 16 is a kernel constant, not a schedule field.
+- the resource model. The scans load the gate in fp32 twice per chunk (G and Gᵀ [C, K], the vector-gate
+  decays), dv_local and the consumer multiply fp32 working matrices (α/ζ-scaled operands, H, D) with
+  ``input_precision="ieee"``, and the consumer's sub-chunk fallback walks the BC diagonal offsets in a
+  run-time loop. The scalar model does not see the fp32 gate tiles: the H200 gdn2 campaign
+  (benchmarks/results/h200-campaign-gdn2-2026-11-30.db) lost trials 5 and 7 to the reverse scan's shared
+  memory (Triton: 283 648 B and 248 832 B > 232 448 B), which the scalar model put at 180 224 B and 163 840 B;
+  this model says 287 744 B and 275 456 B.
+
+Calibration. The shared-memory formulas are upper bounds fitted to Triton 3.6's own numbers: each vector-gate
+kernel compiled ahead of time for sm_90 (`triton.compile` with GPUTarget("cuda", 90, 32), bf16 inputs, the
+launches' constexprs, 16-byte pointer alignment as torch allocations have it — that is what lets Triton
+pipeline the loads with cp.async) over tiles × warps × stages at K = V = 128 (every stage, joint and separate,
+fp32 and bf16 state and P/D), plus K = V = 64 and 256, K ≠ V, KDA's scalar β and fp32 inputs — about 1 600
+compiles of the kernels as of the commit "Compile once per schedule" (run-time H and feature loops). That
+compile reproduces both H200 failures to the byte. No compiled size exceeds its estimate; 36 of the ~1 450
+configurations that fit in 232 448 B are estimated above it (they compile to 164 to 230 KB: fp32-input scans,
+separate-mode, K = 256 and 2-warp consumers). The terms follow the kernels:
+
+- loads inside a run-time loop that feeds tl.dot get (num_stages − 1) extra buffers: the scans' chunk loop,
+  the consumer's V loops, dv_local's V loop, the producer's V loop; a loop with one trip (BV ≥ V) is not a
+  loop after constant folding, so it pipelines nothing. The consumer's sub-chunk diagonal loop (no tl.dot) is
+  not multi-buffered;
+- tl.dot operands staged through shared memory: the scans' state and [C, BV] operands, the fp32 intra products
+  of dv_local ([C, BK] × [BK, C]) and of the consumer (H and D on both sides of a product: two layouts each);
+- the largest phase of a kernel counts, not the sum (Triton reuses shared memory across phases).
+
+The bounds are tightest for bf16 at 4 and 8 warps (exact for the largest scans and joint consumers), loosest
+for 2 warps (up to 1.8× for the consumer, whose 2-warp layouts the register estimate rejects anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rewy_tune.schedule import Schedule
+from rewy_tune.search_spaces import scalar
+from rewy_tune.search_spaces.scalar import (
+    CONDITIONS,
+    _dims,
+    _pow2_ceil,
+    _tiles_for,
+    resource_reasons,
+    schedule_from_params,
+    segment_reasons,
+    tile_reasons,
+)
+
+# `intra` values searched: the guarded centred products ("auto") and the always-safe sub-chunk fallback.
+INTRA_CHOICES = ["auto", "subchunk"]
+# Precision of the fp32 intra products: exact fp32 FMAs ("ieee") or three tf32 tensor-core products per product
+# ("tf32x3", fp32-level error; compiles 2-3x faster). The correctness gates decide per trial.
+INTRA_PRECISION_CHOICES = ["ieee", "tf32x3"]
+# Row block of the sub-chunk fallback (kernels/triton/vector_local.py SUBCHUNK_ROWS; a test keeps them equal).
+SUBCHUNK_ROWS = 16
+# The scans hold the K rows of the state in register blocks of at most 64 rows (kernels/triton/scan.py).
+STATE_BLOCK_ROWS = 64
+
+__all__ = ["CONDITIONS", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES", "constraint", "default_schedule", "register_estimate",
+           "schedule_from_params", "shared_memory_estimate", "space"]
+
+
+def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
+    """Flat parameter name -> choices, for head dims K, V: the scalar space plus `intra` and the vector cumsum's
+    feature tile."""
+    out = scalar.space(K, V)
+    out["intra"] = list(INTRA_CHOICES)
+    out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
+    out["cumsum.block_k"] = _tiles_for(K)
+    return out
+
+
+def _state_rows(K: int) -> int:
+    """Rows of the scans' state as compiled: NB blocks of KB = min(64, K rounded up) rows."""
+    kb = min(STATE_BLOCK_ROWS, max(16, _pow2_ceil(K)))
+    return -(-K // kb) * kb
+
+
+def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[str, int]:
+    """Shared-memory bytes per vector-gate kernel: upper bounds of Triton 3.6's sm_90 numbers (see the module
+    docstring), exact for the largest configurations. e: bytes of the input dtype; the gate G, the state (fp32
+    unless state_dtype is "input") and the intra working matrices have their own widths."""
+    C = schedule.chunk_size
+    Kp = _state_rows(K)
+    est: dict[str, int] = {}
+
+    # recompute_wu: A [C, C] (two dot-operand copies) and the widest [C, BK] / [C, BV] operand; static loops.
+    rc = schedule.recompute
+    est["recompute"] = 2 * C * C * e + 2 * C * max(rc.block_k, rc.block_v) * e
+
+    # Scans. Every chunk step loads, per pipeline stage beyond the first (num_stages − 1 extra buffers): the
+    # forward scan's K_tᵀ and W (input dtype), Gᵀ (fp32: the vector gate) for all Kp state rows and G_n; the
+    # reverse scan's k, qᵀ, Wᵀ (input dtype), G and Gᵀ (fp32), G_n, dO and dv_local [C, BV]. Besides: the
+    # current state-block tiles (a [C, KB] fp32 gate block, a [C, Kp] input-dtype tile, the [C, BV] dot
+    # operands; the forward scan's fitted 3/2·C·BV·e covers U and R).
+    KB = min(STATE_BLOCK_ROWS, Kp)
+    fs, rs = schedule.forward_scan, schedule.reverse_scan
+    est["forward_scan"] = (C * KB * e + C * Kp * e + 3 * C * fs.block_v * e // 2
+                           + (fs.num_stages - 1) * (2 * C * Kp * e + C * Kp * 4 + Kp * 4))
+    est["reverse_scan"] = (C * KB * 4 + C * Kp * e + 2 * C * rs.block_v * e
+                           + (rs.num_stages - 1) * (3 * C * Kp * e + 2 * C * Kp * 4 + Kp * 4 + 2 * C * rs.block_v * e))
+
+    # dv_local_vector: the fp32 intra product [C, BK] × [BK, C]; then A_qkᵀ (fp32 [C, C]) × dO [C, BV], dO
+    # multi-buffered when the V loop has more than one tile.
+    # (fp32 inputs: 1.5 copies of the dO tile per stage in the sm_90 compiles, their "ieee" products run without
+    # tensor cores.)
+    dl = schedule.dv_local
+    do_stage = e if e < 4 else 3 * e // 2
+    est["dv_local"] = max(2 * C * dl.block_k * 4, C * C * 4 + C * dl.block_v * 4
+                          + (dl.num_stages - 1) * C * dl.block_v * do_stage * (V > dl.block_v))
+
+    # producer (separate consumer only; local.py, gate-independent): Aᵀ [C, C], R̄ and Rᵀ tiles per stage, and
+    # the P tile in pd_dtype on its way out (the scalar model counts P in the input dtype: 8 KiB short at BV = 64
+    # with fp32 P, D).
+    if schedule.consumer == "separate":
+        pr = schedule.producer
+        pd = 4 if schedule.pd_dtype == "fp32" else e
+        stages = pr.num_stages if V > pr.block_v else 1  # one V tile: no loop to pipeline
+        est["producer"] = C * C * e + 2 * C * pr.block_v * e * stages + C * pr.block_v * pd
+
+    est["consumer_cfg"] = consumer_shared_memory(schedule, V, e)
+
+    # chunk cumsum of G and reverse cumsum of Ḡ: one fp32 [C, BK] tile.
+    est["cumsum"] = C * schedule.cumsum.block_k * 4
+    return est
+
+
+def consumer_shared_memory(schedule: Schedule, V: int, e: int) -> int:
+    """consumer_vector: the larger of its two phases.
+
+    Intra (per feature tile): the fp32 coefficient adjoints H and D are tl.dot operands on both sides
+    (H·Y and (s Q α)ᵀ·H: two shared layouts each, 4·C²·4 B), the [C, BK] α/ζ-scaled fp32 operand pair, and the
+    joint mode's resident Aᵀ (C² in the input dtype). Both intra paths (centred, and the sub-chunk fallback
+    whose BC = 16 diagonal loop has no tl.dot and is not multi-buffered) use the same buffers.
+    V loop (per feature tile): H, D and Aᵀ, the current R, dO, R̄ | P tiles [C, BV] and S0ᵀ, dS1ᵀ [BV, BK];
+    each pipeline stage beyond the first adds a copy of R, dO (input dtype), R̄ (joint, input dtype) or P
+    (separate, pd_dtype) and S0ᵀ, dS1ᵀ (state_dtype) — unless BV covers V (one tile, no loop to pipeline).
+    """
+    C = schedule.chunk_size
+    cc = schedule.consumer_cfg
+    BK, BV = cc.block_k, cc.block_v
+    joint = schedule.consumer == "joint"
+    s_state = 4 if schedule.state_dtype == "fp32" else e
+    p_bytes = e if joint else (4 if schedule.pd_dtype == "fp32" else e)
+    resident = 4 * C * C * 4 + C * C * e
+    intra = 4 * C * C * 4 + (C * C * e if joint else 0) + 2 * C * BK * 4
+    if e < 4:
+        current = 2 * C * BV * e + C * BV * p_bytes + BV * BK * e
+    else:  # fp32 inputs: the input-side products are "ieee" fp32 dots (no tensor cores), staged wider (fitted)
+        current = 7 * C * BV * e // 2 + 2 * BV * BK * e
+    if V > BV:
+        per_stage = 2 * C * BV * e + C * BV * p_bytes + 2 * BV * BK * s_state
+        v_loop = resident + current + (cc.num_stages - 1) * per_stage
+    else:  # one V tile: no loop to pipeline, but the straight-line body keeps one more [BV, BK] pair (fitted)
+        v_loop = resident + current + BV * BK * e
+    return max(intra, v_loop)
+
+
+def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
+    """Live fp32 values per thread (rough), per vector-gate kernel; > MAX_ACC_PER_THREAD rejects.
+
+    Checked against ptxas (spill-store bytes of the sm_90 compiles, K = 64..256): the accepted configurations
+    spill at most 6.0 KB (dv_local at BK = 128 with 4 warps, which the H200 default uses and which ran there;
+    the default's consumer spills 1.5 KB), and every configuration that spills more is rejected (7 KB to
+    175 KB: consumers with 2 warps, with 4 warps at BK >= 64 and with 8 warps at BK = 128; dv_local and
+    recompute with 2 warps at a 128-wide tile; scans with 2 warps at BV = 128, with 4 at K = 256, BV = 128).
+    Also rejected, spilling less: every 2-warp consumer (>= 1.9 KB; the slow layout) and 2-warp recompute at
+    a 128-wide value tile (0.7 KB)."""
+    C = schedule.chunk_size
+    out: dict[str, float] = {}
+    cc = schedule.consumer_cfg
+    # H, D [C, C] fp32 across the feature loop; per feature tile the V loop's three [C, BK] accumulators
+    # (P S0ᵀ, dO S0ᵀ, R dS1ᵀ), the three intra results (X_q, X_e, X_yᵀ) and two live elementwise factors.
+    out["consumer_cfg"] = (2 * C * C + 8 * C * cc.block_k) / (32 * cc.num_warps)
+    # Scans: the fp32 state block [Kp, BV] and the [C, BV] correction (R or R̄) — as for scalar gates.
+    Kp = _state_rows(K)
+    for name in ("forward_scan", "reverse_scan"):
+        cfg = getattr(schedule, name)
+        out[name] = (Kp * cfg.block_v + C * cfg.block_v) / (32 * cfg.num_warps)
+    # dv_local: A_qkᵀ [C, C] fp32 accumulated over feature tiles with the fp32 operand pair [C, BK], [BK, C];
+    # then the [C, BV] product.
+    dl = schedule.dv_local
+    out["dv_local"] = (C * C + max(2 * C * dl.block_k, C * dl.block_v)) / (32 * dl.num_warps)
+    # recompute: A [C, C] in the input dtype (two values per register) and the fp32 operand + result tiles.
+    rc = schedule.recompute
+    out["recompute"] = (C * C / 2 + 2 * C * max(rc.block_k, rc.block_v)) / (32 * rc.num_warps)
+    if schedule.consumer == "separate":
+        pr = schedule.producer
+        out["producer"] = (C * C + C * pr.block_v) / (32 * pr.num_warps)
+    return out
+
+
+def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
+    """Reasons this schedule cannot compile or run for a KDA/GDN2 problem (empty list: worth a trial).
+
+    problem_dims: as for `scalar.constraint` (K, V; optional dtype, compute_capability or smem_limit)."""
+    K, V, e, smem_limit = _dims(problem_dims)
+    reasons = tile_reasons(schedule, K, V)
+    if schedule.intra not in INTRA_CHOICES:
+        reasons.append(f"intra={schedule.intra!r} skips the range guard: exp(ΔG/2) overflows fp32 on strong "
+                       f"decays (searched: {INTRA_CHOICES})")
+    if schedule.cumsum.block_k > max(16, _pow2_ceil(K)):
+        reasons.append(f"cumsum.block_k={schedule.cumsum.block_k} exceeds K={K} rounded up to a power of two")
+    if schedule.intra_precision not in INTRA_PRECISION_CHOICES:
+        reasons.append(f"intra_precision={schedule.intra_precision!r} is not one of {INTRA_PRECISION_CHOICES}")
+    reasons += resource_reasons(shared_memory_estimate(schedule, K, V, e), register_estimate(schedule, K, V),
+                                smem_limit)
+    reasons += segment_reasons(schedule, K, smem_limit)
+    return reasons
+
+
+def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128) -> Schedule:
+    """Built-in schedule for KDA/GDN2: the scalar default (it passes this model), with the vector cumsum's
+    feature tile no wider than K."""
+    base = scalar.default_schedule(compute_capability, K=K, V=V)
+    return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))})
