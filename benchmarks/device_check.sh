@@ -5,7 +5,8 @@
 #   STEPS="tests bench" bash benchmarks/device_check.sh
 # Steps: tests (GPU-marked pytest, TEST_JOBS processes), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
-# results/h200.db), models (benchmarks/model_check.py).
+# results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA),
+# models (benchmarks/model_check.py).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
 # PYTHONSAFEPATH: the checkout's rewy_tune/ folder must not shadow the installed namespace, in any
@@ -33,6 +34,11 @@ step_campaign() {
   timeout "${CAMPAIGN_S:-500}" python3 -m rewy_tune.cli.main --device h200 $CAMPAIGN_ARGS \
     --db "sqlite:///$RES/h200.db" --storage "$RES/h200.journal" > "$RES/campaign.log" 2>&1
   echo "campaign rc=$?"; tail -c 4000 "$RES/campaign.log"
+}
+step_sweep() {
+  timeout "${SWEEP_S:-300}" python3 benchmarks/profile_stages.py --op "${SWEEP_OPS:-all}" --jobs "${SWEEP_JOBS:-12}" \
+    --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} --json "$RES/sweep.json" > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$?"; tail -c 6000 "$OUT/sweep.log"
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \

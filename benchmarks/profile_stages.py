@@ -1,20 +1,26 @@
 """Per-stage device time of our backward (torch.profiler), and a sweep of schedule variants against FLA.
 
     python -P benchmarks/profile_stages.py --op gdn --shapes 1,8192,4 1,8192,16
+    python -P benchmarks/profile_stages.py --op all --jobs 8 --json sweep.json   # every operator, compiled ahead
 
 Kernel names map to stages (rewy_* kernels of kernels/triton). Timing of variants uses the project's
-measurement module (CUDA-graph replay, interleaved with FLA). Prints a short table per shape.
+measurement module (CUDA-graph replay, interleaved with FLA). Every variant is compiled ahead in parallel
+(`rewy_tune.warmup`) before anything is timed, so the sweep costs one compile round, not one per variant.
+Prints a short table per operator and shape; `--json` keeps the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 
 import torch
 
-from rewy_tune import fla_baseline, measure
+from rewy_tune import fla_baseline, measure, warmup
 from rewy_tune.search_spaces import default_schedule
+
+OPS = ("deltanet", "gdn", "kda", "gdn2")
 
 
 def kernel_times(op, policy, schedule, shape, K=128, V=128, reps=5):
@@ -37,40 +43,75 @@ def kernel_times(op, policy, schedule, shape, K=128, V=128, reps=5):
     return totals
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--op", default="gdn")
-    p.add_argument("--policy", default="R")
-    p.add_argument("--shapes", nargs="+", default=["1,8192,4", "1,8192,16"])
-    args = p.parse_args()
-    fla_baseline.bypass_hopper_guard()
-    base = default_schedule(torch.cuda.get_device_capability(), K=128, V=128)
-    variants = {
+def variants_for(op: str, base):
+    """Named schedule variants around the operator's default: one field group changed at a time."""
+    other_states = "fp32" if base.state_dtype == "input" else "input"
+    out = {
         "default": base,
-        "state=input": base.replace(state_dtype="input"),
+        f"state={other_states}": base.replace(state_dtype=other_states),
         "seg4": base.replace(forward_scan_segments=4, reverse_scan_segments=4),
-        "seg8": base.replace(forward_scan_segments=8, reverse_scan_segments=8),
+        "seg4/8": base.replace(forward_scan_segments=4, reverse_scan_segments=8),
         "scanBV32": base.replace(forward_scan={"block_v": 32}, reverse_scan={"block_v": 32}),
-        "scanBV32w2": base.replace(forward_scan={"block_v": 32, "num_warps": 2}, reverse_scan={"block_v": 32, "num_warps": 2}),
-        "scanBV16": base.replace(forward_scan={"block_v": 16}, reverse_scan={"block_v": 16}),
         "cons_w4": base.replace(consumer_cfg={"num_warps": 4}),
-        "cons_BV128": base.replace(consumer_cfg={"block_v": 128}),
         "separate": base.replace(consumer="separate"),
     }
-    fla = fla_baseline.fla_op(args.op, args.policy)
-    for s in args.shapes:
-        shape = tuple(int(x) for x in s.split(","))
-        print(f"== {args.op} {args.policy} {shape}: per-kernel ms (default schedule)")
-        for name, ms in kernel_times(args.op, args.policy, base, shape).most_common(14):
-            print(f"   {ms:8.4f}  {name}")
-        for vname, sched in variants.items():
-            try:
-                r = measure.measure_shape(args.op, measure.rewy_op_fn(args.op, args.policy, sched), fla, shape,
-                                          rounds=30)
-                print(f"   {vname:12s} ours {r.ours.median:.4f} ms  FLA {r.fla.median:.4f} ms  "
-                      f"FLA/ours {r.speedup:.3f}  peak {r.ours.peak_backward_mib:.0f}/{r.fla.peak_backward_mib:.0f} MiB")
-            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
-                print(f"   {vname:12s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
+    if op in ("kda", "gdn2"):
+        # The best trial of the first H200 gdn2 campaign (1,2048,4): separate producer, narrow consumer and
+        # dv_local tiles; here without and with its sequence-split scans.
+        narrow = base.replace(consumer="separate", consumer_cfg={"block_k": 16, "block_v": 64, "num_warps": 4,
+                                                                 "num_stages": 1},
+                              dv_local={"block_k": 16, "block_v": 16, "num_warps": 8, "num_stages": 2},
+                              producer={"block_v": 16, "num_warps": 8, "num_stages": 2})
+        out["narrow-sep"] = narrow
+        out["narrow-sep-seg4/8"] = narrow.replace(forward_scan_segments=4, reverse_scan_segments=8)
+        out["cons16x64w4"] = base.replace(consumer_cfg={"block_k": 16, "block_v": 64, "num_warps": 4,
+                                                        "num_stages": 1})
+        out["dvl16x16w8"] = base.replace(dv_local={"block_k": 16, "block_v": 16, "num_warps": 8, "num_stages": 2})
+        out["tf32x3"] = base.replace(intra_precision="tf32x3")
+    else:
+        out["cons32x64"] = base.replace(consumer_cfg={"block_k": 32, "block_v": 64})
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--op", default="gdn", help="an operator or 'all'")
+    p.add_argument("--policy", default="R")
+    p.add_argument("--shapes", nargs="+", default=["1,8192,4", "1,8192,16"])
+    p.add_argument("--jobs", type=int, default=None, help="compile-ahead processes (default: warmup's)")
+    p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the default")
+    p.add_argument("--json", default=None, help="write {op: {variant: {shape: [ours_ms, fla_ms]}}}")
+    args = p.parse_args()
+    fla_baseline.bypass_hopper_guard()
+    ops = OPS if args.op == "all" else (args.op,)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+    cc = torch.cuda.get_device_capability()
+    plan = {op: variants_for(op, default_schedule(cc, K=128, V=128, op=op)) for op in ops}
+    tasks = [warmup.WarmTask(op, args.policy, s.to_dict(), shapes) for op in ops for s in plan[op].values()]
+    for r in warmup.warm(tasks, jobs=args.jobs):
+        if r.status != "ok":
+            print(f"   warm {r.task.op} failed ({r.status}): {(r.message or '')[:160]}")
+    table: dict = {}
+    for op in ops:
+        fla = fla_baseline.fla_op(op, args.policy)
+        for shape in shapes:
+            print(f"== {op} {args.policy} {shape}")
+            if not args.no_profile:
+                for name, ms in kernel_times(op, args.policy, plan[op]["default"], shape).most_common(10):
+                    print(f"   {ms:8.4f}  {name}")
+            for vname, sched in plan[op].items():
+                try:
+                    r = measure.measure_shape(op, measure.rewy_op_fn(op, args.policy, sched), fla, shape, rounds=30)
+                    table.setdefault(op, {}).setdefault(vname, {})[",".join(map(str, shape))] = [
+                        r.ours.median, r.fla.median]
+                    print(f"   {vname:18s} ours {r.ours.median:.4f} ms  FLA {r.fla.median:.4f} ms  "
+                          f"FLA/ours {r.speedup:.3f}  peak {r.ours.peak_backward_mib:.0f}/"
+                          f"{r.fla.peak_backward_mib:.0f} MiB")
+                except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
+                    print(f"   {vname:18s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"policy": args.policy, "versions": measure.software_versions(), "table": table}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -291,9 +291,10 @@ def assert_bf16(out, ref, ctx):
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
 def test_gpu_bench_shapes_bf16(op, B, T, H):
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
-    out = run_triton(x, _gpu_default())
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
-    assert_bf16(out, ref, f"gpu {op} {B},{T},{H}")
+    for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
+        out = run_triton(x, _gpu_default().replace(state_dtype=states))
+        assert_bf16(out, ref, f"gpu {op} {B},{T},{H} {states} states")
 
 
 @pytest.mark.gpu

@@ -389,8 +389,10 @@ def test_gpu_fp32_gate(op, decay, consumer, precision):
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES)
 def test_gpu_bench_shapes(op, B, T, H):
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=16.0)
-    out = run_triton(x, _gpu_schedule(128))
-    assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H}")
+    ref = oracle(x, device="cuda")
+    for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
+        out = run_triton(x, _gpu_schedule(128).replace(state_dtype=states))
+        assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H} {states} states")
 
 
 @BF16_ON_INTERPRETER
