@@ -87,7 +87,7 @@ class FlaSaveAll(torch.autograd.Function):
         else:
             from fla.ops.delta_rule.wy_fast import prepare_wy_repr_bwd
 
-            dk2, dv, db = prepare_wy_repr_bwd(k=k, v=v, beta=beta, A=A, dw=dw, du=dv)
+            dk2, dv, db = prepare_wy_repr_bwd(k=k, v=v, beta=beta, A=A, dw=dw, du=dv, cu_seqlens=None)
             dk.add_(dk2)
             dg = None
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db.to(beta.dtype), dh0, None, None)
