@@ -373,6 +373,22 @@ class Campaign:
             k = min(k, st.target - len(self._counted(st)))
         return max(1, k)
 
+    def _fill_batch(self, st: StudyState) -> list[dict[str, Any]]:
+        """Ask until the batch holds `_batch_size` schedules worth compiling. A constraint violation is a
+        recorded trial (it counts toward the target) but needs no compile slot: on the H200 five of the first
+        eight asks were rejected, and a batch of three left most of the compile processes idle."""
+        want = self._batch_size(st)
+        batch: list[dict[str, Any]] = []
+        for _ in range(8 * want):  # bounded: a space that is almost all constraint still returns
+            if len(batch) >= want or self.stop.is_set():
+                break
+            if st.target is not None and len(self._counted(st)) >= st.target:
+                break
+            task = self._ask(st)
+            if task is not None:
+                batch.append(task)
+        return batch
+
     def run(self) -> None:
         """Run the worker loops to the budget; returns when done or stopped (Ctrl-C: `stop_now`)."""
         threads = []
@@ -408,7 +424,7 @@ class Campaign:
                 st = self._next_study()
                 if st is None:
                     break
-                batch = [t for t in (self._ask(st) for _ in range(self._batch_size(st))) if t is not None]
+                batch = self._fill_batch(st)
                 gates = self._gate_batch(batch, gaters)
                 for pending, gate in zip(batch, gates):
                     # Ctrl-C: every trial of the batch is re-enqueued. Budget spent: failed gates are
