@@ -26,18 +26,27 @@ from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule
 
 SUPPORTED_OPS = ("deltanet", "gdn", "kda", "gdn2")
-# Operators that backend="auto" and `rewy_tune.enable()` route here: only those whose kernels have run on a GPU
-# (DeltaNet, GDN: benchmarked and first fp32 gate tests passed on the H200; full GPU suite pending, issue 3).
-# KDA and GDN2 pass under the interpreter but have not run on a GPU yet (issue 4); until then they are
-# reachable with backend="triton" (and by the tuner, which gates every trial).
-GPU_VERIFIED_OPS = ("deltanet", "gdn")
+# Operators that backend="auto" and `rewy_tune.enable()` route here: only those whose kernels have passed the
+# GPU suite (tests/kernels/test_triton_{scalar,vector}.py -m gpu) on the H200 with the current kernels: all
+# four, session 3 (benchmarks/RESULTS.md). An operator whose kernels change in a way the interpreter cannot
+# vouch for leaves this list until the GPU suite has run again.
+GPU_VERIFIED_OPS = ("deltanet", "gdn", "kda", "gdn2")
 
 
-def default_schedule_for(q: torch.Tensor, K: int, V: int) -> Schedule:
+def op_of(g: torch.Tensor | None, erase: torch.Tensor) -> str:
+    """The operator a call's gate and erase shapes describe (as `rewy_backward_triton` reads them)."""
+    if g is None:
+        return "deltanet"
+    if g.dim() == 3:
+        return "gdn"
+    return "gdn2" if erase.dim() == 4 else "kda"
+
+
+def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None) -> Schedule:
     from rewy_tune.search_spaces import default_schedule
 
     cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    return default_schedule(cc, K=K, V=V)
+    return default_schedule(cc, K=K, V=V, op=op)
 
 
 def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state):
@@ -104,7 +113,7 @@ class RewyTritonFunction(torch.autograd.Function):
             raise ValueError(f"g must be None (DeltaNet), [B,T,H] (GDN) or [B,T,H,K] (KDA/GDN2), got "
                              f"{tuple(g.shape)}")
         K, V = q.shape[-1], v.shape[-1]
-        schedule = schedule if schedule is not None else default_schedule_for(q, K, V)
+        schedule = schedule if schedule is not None else default_schedule_for(q, K, V, op_of(g, erase))
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
         if schedule.chunk_size != chunk_size:

@@ -57,6 +57,8 @@ def constraint(schedule: Schedule, problem_dims: Any, op: str | None = None) -> 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
                      op: str | None = None) -> Schedule:
     """Built-in schedule of the operator's space for a compute capability (None: generic)."""
+    if op in VECTOR_OPS:
+        return vector.default_schedule(compute_capability, K=K, V=V, op=op)
     return module_for(op).default_schedule(compute_capability, K=K, V=V)
 
 

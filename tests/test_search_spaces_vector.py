@@ -152,28 +152,44 @@ def test_subchunk_rows_match_the_kernel():
     assert set(vector.INTRA_CHOICES) <= set(vector_local.INTRA_CODES)
 
 
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("cc", [(9, 0), None, (8, 0), (8, 6)])
 @pytest.mark.parametrize("KV", [32, 64, 128, 256])
-def test_default_passes_its_own_constraint_and_round_trips(cc, KV):
-    d = vector.default_schedule(cc, K=KV, V=KV)
+def test_default_passes_its_own_constraint_and_round_trips(cc, KV, op):
+    d = vector.default_schedule(cc, K=KV, V=KV, op=op)
     dims = {"K": KV, "V": KV, "dtype": "bf16", "compute_capability": cc or (8, 6)}
     assert vector.constraint(d, dims) == []
-    assert ss.default_schedule(cc, K=KV, V=KV, op="kda") == d == ss.default_schedule(cc, K=KV, V=KV, op="gdn2")
+    assert ss.default_schedule(cc, K=KV, V=KV, op=op) == d
     # flat parameters -> Schedule gives the default back; so does the tuner's params -> suggest replay
     assert vector.schedule_from_params(_flat(d)) == d
     assert Schedule.from_json(d.to_json()) == d
-    for op in ("kda", "gdn2"):
-        assert search.default_schedule(op, cc, KV, KV) == d
-        params = search.schedule_params(d, op=op, K=KV, V=KV, interpreter=False)
-        assert params is not None, (op, cc, KV)
-        replay = search.suggest_schedule(optuna.trial.FixedTrial(params), op=op, K=KV, V=KV, compute_capability=cc,
-                                         interpreter=False)
-        assert replay == d
+    assert search.default_schedule(op, cc, KV, KV) == d
+    params = search.schedule_params(d, op=op, K=KV, V=KV, interpreter=False)
+    assert params is not None, (op, cc, KV)
+    replay = search.suggest_schedule(optuna.trial.FixedTrial(params), op=op, K=KV, V=KV, compute_capability=cc,
+                                     interpreter=False)
+    assert replay == d
 
 
-def test_the_h200_vector_default_is_the_scalar_default():
+def test_the_h200_vector_defaults():
+    # KDA: the scalar-derived default; GDN2 at K = V = 128: the campaign-measured schedule (elsewhere the same)
     for KV in (64, 128, 256):
-        assert vector.default_schedule((9, 0), K=KV, V=KV) == scalar.default_schedule((9, 0), K=KV, V=KV)
+        assert vector.default_schedule((9, 0), K=KV, V=KV, op="kda") == scalar.default_schedule((9, 0), K=KV, V=KV)
+    assert vector.default_schedule((9, 0), op="gdn2") == Schedule(**vector.GDN2_H200)
+    assert vector.default_schedule((9, 0), K=64, V=64, op="gdn2") == scalar.default_schedule((9, 0), K=64, V=64)
+    assert vector.default_schedule((8, 0), op="gdn2") == vector.default_schedule((8, 0), op="kda")
+
+
+def test_every_call_site_asks_for_the_operators_default():
+    # the op, the dispatcher and the tuner must all reach the GDN2-specific default (they once asked without op)
+    import torch
+
+    from rewy_tune.kernels.triton_function import op_of
+
+    q = torch.zeros(1, 8, 1, 16)
+    assert op_of(None, q[..., 0]) == "deltanet" and op_of(q[..., 0], q[..., 0]) == "gdn"
+    assert op_of(q, q[..., 0]) == "kda" and op_of(q, q) == "gdn2"
+    assert search.default_schedule("gdn2", (9, 0), 128, 128) == Schedule(**vector.GDN2_H200)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -357,11 +357,11 @@ def test_public_op_backend_triton(op, policy):
 BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
 
 
-def _gpu_schedule(KV):
+def _gpu_schedule(KV, op):
     try:
         from rewy_tune.search_spaces import default_schedule
 
-        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV)
+        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, op=op)
     except ImportError:
         tile = max(128, KV)  # the scans hold all K rows; one pipeline stage keeps fp32 operands in shared memory
         one = lambda bk=64: StageConfig(bk, 64, 4, 1)
@@ -378,7 +378,7 @@ def test_gpu_fp32_gate(op, decay, consumer, precision):
     # fp32 inputs on the GPU, held to the project gate, for both intra-product precisions.
     x = make_inputs(op, 1, 2048, 4, 128, 128, device="cuda", seed=3, decay=decay, gate_div=16.0)
     paths = {}
-    out = run_triton(x, _gpu_schedule(128).replace(consumer=consumer, intra_precision=precision), "R", paths)
+    out = run_triton(x, _gpu_schedule(128, op).replace(consumer=consumer, intra_precision=precision), "R", paths)
     assert PATH_SUBCHUNK in path_set(paths) if decay == "strong" else path_set(paths) == {PATH_CENTRED}
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu fp32 {op} {decay} {consumer}")
 
@@ -391,7 +391,7 @@ def test_gpu_bench_shapes(op, B, T, H):
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=16.0)
     ref = oracle(x, device="cuda")
     for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
-        out = run_triton(x, _gpu_schedule(128).replace(state_dtype=states))
+        out = run_triton(x, _gpu_schedule(128, op).replace(state_dtype=states))
         assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H} {states} states")
 
 
@@ -401,7 +401,7 @@ def test_gpu_bench_shapes(op, B, T, H):
 @pytest.mark.parametrize("KV", [64, 256])
 def test_gpu_head_dims(op, KV):
     x = make_inputs(op, 1, 1000, 4, KV, KV, dtype=torch.bfloat16, device="cuda", seed=KV, gate_div=16.0)
-    assert_gates(run_triton(x, _gpu_schedule(KV)), oracle(x, device="cuda"), ctx=f"gpu {op} K=V={KV}")
+    assert_gates(run_triton(x, _gpu_schedule(KV, op)), oracle(x, device="cuda"), ctx=f"gpu {op} K=V={KV}")
 
 
 @BF16_ON_INTERPRETER
@@ -410,7 +410,7 @@ def test_gpu_head_dims(op, KV):
 def test_gpu_strong_decay(op):
     x = make_inputs(op, 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=5, decay="strong")
     paths = {}
-    out = run_triton(x, _gpu_schedule(128), "R", paths)
+    out = run_triton(x, _gpu_schedule(128, op), "R", paths)
     assert path_set(paths) == {PATH_SUBCHUNK}
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu {op} strong")
 
@@ -420,7 +420,7 @@ def test_gpu_strong_decay(op):
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_gpu_run_twice_bitwise(op, consumer):
     x = make_inputs(op, 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=16.0)
-    s = _gpu_schedule(128).replace(consumer=consumer)
+    s = _gpu_schedule(128, op).replace(consumer=consumer)
     a, b = run_triton(x, s), run_triton(x, s)
     for n in NAMES:
         assert torch.equal(a[n], b[n]), n
