@@ -219,9 +219,9 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     return reasons
 
 
-# GDN2 on the H200 (K = V = 128): the schedule that the first full H200 campaign (benchmarks/RESULTS.md,
-# session 3) found best or within 3 % of the best on all six benchmark shapes, 1.27-1.46x faster than the
-# scalar-derived default on five of them; it passed the tuner's correctness gates on the H200 there. Sequence-
+# GDN2 on the H200 (K = V = 128): the schedule of the first full H200 campaign (benchmarks/RESULTS.md,
+# session 3) that was best on four of the six benchmark shapes and within 2.6 % / 4.4 % on the others, 1.06-1.40x
+# faster than the scalar-derived default; it passed the tuner's correctness gates on the H200 there. Sequence-
 # split scans with wide state tiles (fewer, longer programs, split 4 / 8 ways along T), a narrow joint consumer.
 GDN2_H200 = {
     "recompute": StageConfig(64, 16, 2, 3),
