@@ -8,7 +8,7 @@ defining modules and in every loaded module that holds the original function obj
 A call runs the ReWY op (schedule from `dispatch.lookup`) only inside the supported envelope: CUDA
 tensors, an operator whose Triton backward is GPU-verified (`kernels.triton_function.GPU_VERIFIED_OPS`), equal-length
 sequences (no cu_seqlens / context parallel), v heads == q heads (no GVA), K, V in [16, 256], dtype
-bf16/fp16/fp32, chunk_size 64. Any other call goes to the original FLA function unchanged; both are counted
+bf16/fp16/fp32 (bf16/fp16 only with K, V >= 64: `ops.gpu_unverified_dims`), chunk_size 64. Any other call goes to the original FLA function unchanged; both are counted
 in `report()`.
 
 FLA's in-kernel activations, which its layers always request, are applied outside the op and the ReWY op runs
@@ -98,6 +98,13 @@ def _triton_ops() -> frozenset[str]:
     from rewy_tune.ops import _auto_ops
 
     return _auto_ops()
+
+
+def _unverified_dims(dtype, K: int, V: int) -> str | None:
+    """16-bit calls whose tensor-core tiles have not passed on a GPU (`ops.gpu_unverified_dims`) go to FLA."""
+    from rewy_tune.ops import gpu_unverified_dims
+
+    return gpu_unverified_dims(dtype, K, V)
 
 
 def _device_reason(tensors) -> str | None:
@@ -305,6 +312,9 @@ def _plan(op: str, arguments: dict, extra: dict) -> tuple[Activations | None, st
         if op in ("kda", "gdn2") and h0.dtype != torch.float32:
             return None, f"initial_state dtype {str(h0.dtype).removeprefix('torch.')} (FLA requires float32)"
     reason = _device_reason(tensors)
+    if reason is not None:
+        return None, reason
+    reason = _unverified_dims(q.dtype, K, V)
     if reason is not None:
         return None, reason
     if op not in _triton_ops():

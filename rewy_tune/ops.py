@@ -30,13 +30,33 @@ def _auto_ops() -> frozenset[str]:
     return frozenset(GPU_VERIFIED_OPS)
 
 
-def resolve_backend(op: str, backend: str, device: torch.device) -> str:
-    """Turn the requested backend into the one that runs, or raise a clear ValueError."""
+# 16-bit inputs run the backward's chained intra products (P = AᵀR̄ fed to P Rᵀ and P S0ᵀ) on tensor cores.
+# On the H200 they have passed only with head dims >= 64 (64/128/256-wide tiles); at K = 16, V = 32 (block_v 32)
+# an FLA DeltaNet layer call gave wrong dk / dbeta (rel-RMS ~0.4) while o, dq, dv, dh0 and the fp32 run at the
+# same dims were right (fp32 products do not use tensor cores). Until smaller 16-bit tiles pass on a GPU,
+# backend="auto" and enable() keep such calls off the Triton backward.
+MIN_HEAD_DIM_16BIT_GPU = 64
+
+
+def gpu_unverified_dims(dtype: torch.dtype, K: int, V: int) -> str | None:
+    """Why the Triton backward is not GPU-verified for these head dims and dtype, or None when it is."""
+    if dtype in (torch.bfloat16, torch.float16) and min(K, V) < MIN_HEAD_DIM_16BIT_GPU:
+        return (f"{str(dtype).removeprefix('torch.')} with head dim K={K}, V={V} below {MIN_HEAD_DIM_16BIT_GPU} "
+                "(16-bit tensor-core tiles below 64 are not GPU-verified: wrong dk/dbeta on the H200)")
+    return None
+
+
+def resolve_backend(op: str, backend: str, device: torch.device, dtype: torch.dtype | None = None,
+                    K: int | None = None, V: int | None = None) -> str:
+    """Turn the requested backend into the one that runs, or raise a clear ValueError. With dtype, K and V,
+    "auto" also keeps CUDA calls whose 16-bit tiles are not GPU-verified (`gpu_unverified_dims`) on torch."""
     if backend == "torch":
         return "torch"
     available = _triton_ops()
     on_cuda = device.type == "cuda"
     if backend == "auto":
+        if dtype is not None and K is not None and V is not None and gpu_unverified_dims(dtype, K, V):
+            return "torch"
         return "triton" if on_cuda and op in _auto_ops() else "torch"
     # backend == "triton"
     if op not in available:
@@ -56,7 +76,7 @@ def _apply(op, q, k, v, g, erase, write, *, scale, initial_state, output_final_s
     validate_inputs(op, q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
                     policy=policy, backend=backend, names=names)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    chosen = resolve_backend(op, backend, q.device)
+    chosen = resolve_backend(op, backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
     if chosen == "torch":
         from rewy_tune.kernels.reference.function import RewyTorchFunction
 
