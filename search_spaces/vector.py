@@ -41,6 +41,7 @@ for 2 warps (up to 1.8× for the consumer, whose 2-warp layouts the register est
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rewy_tune.schedule import Schedule, StageConfig
@@ -66,8 +67,8 @@ SUBCHUNK_ROWS = 16
 # The scans hold the K rows of the state in register blocks of at most 64 rows (kernels/triton/scan.py).
 STATE_BLOCK_ROWS = 64
 
-__all__ = ["CONDITIONS", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES", "constraint", "default_schedule", "register_estimate",
-           "schedule_from_params", "shared_memory_estimate", "space"]
+__all__ = ["CONDITIONS", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES", "constraint", "default_schedule",
+           "gpu_fault_reasons", "register_estimate", "schedule_from_params", "shared_memory_estimate", "space"]
 
 
 def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
@@ -216,6 +217,47 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     reasons += resource_reasons(shared_memory_estimate(schedule, K, V, e), register_estimate(schedule, K, V),
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)
+    reasons += gpu_fault_reasons(schedule, K, V, e, _compute_capability(problem_dims))
+    return reasons
+
+
+def _compute_capability(problem_dims: Any) -> tuple[int, int] | None:
+    cc = problem_dims.get("compute_capability") if isinstance(problem_dims, Mapping) else \
+        getattr(problem_dims, "compute_capability", None)
+    return tuple(cc) if cc is not None else None
+
+
+# The H200 gdn2 campaign of session 3 (benchmarks/results/h200-campaign-gdn2-session3.db, trial 1 of campaigns 1-4,
+# bf16, K = V = 128, gate case "tail-h0") computed wrong dq, dk, dg, db (rel-RMS 0.8-1.1) with right o, ht, dv, dw,
+# dh0 for one schedule. The same schedule is right on the Triton interpreter (tests/kernels/test_triton_vector.py
+# test_h200_incorrect_schedule_is_right_on_the_interpreter), so the fault is in the GPU compile of one of its
+# stages, not found without a GPU. What the outputs clear: dv = w ⊙ P and dh0 are right, so P, R̄, dS chain,
+# dv_local, the reverse scan and the forward cumsum are; recompute's 128 / 16 / 4-warp / 1-stage fields each passed
+# the H200 gates in other session-3 schedules. Left: the two stage configurations no gated H200 schedule has had:
+# - the forward scan at block_v = 32 < V (R, S0). Zeroing R in an interpreter run of the same case reproduces the
+#   signature: dq 0.86, dk 1.00, dg 0.95, db 0.95 (S0 alone moves dk by only 0.05-0.15);
+# - the 4-warp consumer at block_k = 16 over one V tile, separate, tf32x3 intra (its 8-warp twin passed).
+# Both are rejected for 16-bit inputs on compute capability 9.x (not when problem_dims names none) until
+# tests/kernels/test_triton_vector.py::test_gpu_h200_incorrect_schedule_bisect says which one it is (that test
+# runs the failing schedule and one variant per suspect through the tuner's tail-h0 gate on the GPU).
+H200_FAULT = ("H200 gdn2 campaign session 3 (trial 1, tail-h0): wrong dq/dk/dg/db, rel-RMS 0.8-1.1, right on the "
+              "interpreter; unverified GPU suspect")
+
+
+def gpu_fault_reasons(schedule: Schedule, K: int, V: int, e: int,
+                      compute_capability: tuple[int, int] | None = (9, 0)) -> list[str]:
+    """Stage configurations that gave wrong gradients on a GPU and are not yet cleared: 16-bit inputs on
+    compute capability 9.x (wgmma tiles; other GPUs compile other tensor-core paths and are not implicated)."""
+    if e != 2 or compute_capability is None or compute_capability[0] != 9:
+        return []
+    reasons = []
+    if schedule.forward_scan.block_v == 32 < V:
+        reasons.append(f"forward_scan.block_v=32 with 16-bit inputs: {H200_FAULT}")
+    cc = schedule.consumer_cfg
+    if (cc.block_k == SUBCHUNK_ROWS and cc.num_warps == 4 and cc.block_v >= V and schedule.consumer == "separate"
+            and schedule.intra_precision == "tf32x3"):
+        reasons.append(f"consumer_cfg block_k={cc.block_k}, one V tile, 4 warps, separate, tf32x3 with 16-bit "
+                       f"inputs: {H200_FAULT}")
     return reasons
 
 

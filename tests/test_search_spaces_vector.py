@@ -56,6 +56,36 @@ def test_h200_campaign_compile_errors_rejected_and_every_compiled_schedule_accep
         assert max(vector.shared_memory_estimate(sched, 128, 128, 2).values()) <= 232448
 
 
+
+SESSION3_DB = DB.with_name("h200-campaign-gdn2-session3.db")
+
+
+def test_h200_session3_wrong_gradients_rejected_and_every_gated_schedule_accepted():
+    # Session 3's campaign gated one schedule wrong on the H200 (dq/dk/dg/db rel-RMS 0.8-1.1, trial 1 of all
+    # four buckets) that is right on the interpreter: the constraint rejects its two uncleared GPU suspects
+    # (vector.gpu_fault_reasons) for 16-bit inputs, and still accepts every schedule that passed the H200 gates.
+    con = sqlite3.connect(f"file:{SESSION3_DB}?immutable=1", uri=True)
+    try:
+        rows = con.execute("SELECT schedule, status FROM trials WHERE status IN ('ok', 'incorrect')").fetchall()
+    finally:
+        con.close()
+    wrong = {s for s, st in rows if st == "incorrect"}
+    passed = {s for s, st in rows if st == "ok"}
+    assert len(wrong) == 1 and len(passed) >= 5
+    bad = Schedule.from_dict(json.loads(wrong.pop()))
+    reasons = vector.constraint(bad, H200)
+    assert [r.split(":")[0] for r in reasons] == [
+        "forward_scan.block_v=32 with 16-bit inputs",
+        "consumer_cfg block_k=16, one V tile, 4 warps, separate, tf32x3 with 16-bit inputs"], reasons
+    assert all("H200 gdn2 campaign session 3" in r for r in reasons)
+    assert search.constraint_violation(bad, op="gdn2", K=128, V=128, compute_capability=(9, 0)) is not None
+    # each suspect alone is enough; fp32 inputs (other tensor-core paths) are not affected
+    assert len(vector.constraint(bad.replace(forward_scan={"block_v": 16}), H200)) == 1
+    assert len(vector.constraint(bad.replace(consumer_cfg={"num_warps": 8}), H200)) == 1
+    assert vector.gpu_fault_reasons(bad, 128, 128, 4) == []
+    for s in passed:
+        assert vector.constraint(Schedule.from_dict(json.loads(s)), H200) == [], s
+
 def test_scalar_model_is_what_let_the_failures_through():
     # The reason for the vector model: the scalar one (which the gdn2 campaign used) accepted both failures —
     # and it still holds for scalar gates, whose scans load no fp32 [C, K] gate tiles.
