@@ -13,6 +13,10 @@ Forward:
   no ln 2 round trip).
 - CPU (TRITON_INTERPRET=1 tests): the pure-torch reference `chunk_forward` (FLA's state scans do not run
   in Triton 3.6's interpreter, fla-baseline §13).
+- KDA / GDN2 with ``schedule.dv_local_source == "forward"`` also keep the forward's A_qk (fla-core's Aqk,
+  out[3] of chunk_kda_fwd / chunk_gdn2_fwd, [B,T,H,C] in the input dtype; on CPU the reference forward's
+  ``ChunkForward.Aqk`` in the same convention), which FLA's own backward keeps as well; dv_local then reads it
+  instead of recomputing A_qk. Otherwise it is dropped as before.
 
 Backward: `rewy_backward_triton` with the given Schedule (default: `search_spaces.default_schedule` for the
 device's compute capability).
@@ -51,8 +55,9 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None)
 
 def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state):
     """KDA (erase is write, [B,T,H]) / GDN2 (b [B,T,H,K], w [B,T,H,V]) through fla-core's chunk_kda_fwd /
-    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new); policy A uses their
-    disable_recompute path, which keeps h and v_new (policy R: None, None)."""
+    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk); policy A uses their
+    disable_recompute path, which keeps h and v_new (policy R: None, None). Aqk (out[3]) is FLA's A_qk: see
+    kernels/triton/vector_local.py (dv_local_aqk) for its convention."""
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   chunk_size=chunk_size, disable_recompute=policy == "A")
     if erase.dim() == 3:
@@ -63,10 +68,10 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
         from fla.ops.gdn2.chunk_fwd import chunk_gdn2_fwd
 
         out = chunk_gdn2_fwd(q=q, k=k, v=v, g=g, b=erase, w_gate=write, **common)
-    o, final_state, Akk, v_new, h = out[0], out[1], out[4], out[9], out[10]
+    o, final_state, Aqk, Akk, v_new, h = out[0], out[1], out[3], out[4], out[9], out[10]
     if policy == "A":
-        return o, final_state, Akk, h, v_new
-    return o, final_state, Akk, None, None
+        return o, final_state, Akk, h, v_new, Aqk
+    return o, final_state, Akk, None, None, Aqk
 
 
 def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, output_final_state):
@@ -122,12 +127,14 @@ class RewyTritonFunction(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         erase, write = erase.contiguous(), write.contiguous()
         g = g.contiguous() if g is not None else None
+        keep_aqk = g is not None and g.dim() == 4 and schedule.dv_local_source == "forward"
+        Aqk = None
         if q.is_cuda and g is not None and g.dim() == 4:
             if erase.dim() == 3 and erase.data_ptr() != write.data_ptr():
                 raise ValueError("on CUDA, KDA takes one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None
-            o, final_state, A, S0, R = _fla_forward_vector(q, k, v, g, erase, write, h0, scale, chunk_size,
-                                                           policy, output_final_state)
+            o, final_state, A, S0, R, Aqk = _fla_forward_vector(q, k, v, g, erase, write, h0, scale, chunk_size,
+                                                                policy, output_final_state)
         elif q.is_cuda:
             if erase.data_ptr() != write.data_ptr() or erase.shape != write.shape:
                 raise ValueError("on CUDA, DeltaNet/GDN take one β: pass the same tensor as erase and write")
@@ -139,20 +146,21 @@ class RewyTritonFunction(torch.autograd.Function):
 
             fwd = chunk_forward(q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
                                 chunk_size=chunk_size, save_states=policy == "A")
-            o, final_state, A, S0, R = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R
-        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R)
+            o, final_state, A, S0, R, Aqk = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R, fwd.Aqk
+        Aqk = Aqk if keep_aqk else None  # saved only when the schedule's dv_local reads it
+        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk)
         ctx.scale, ctx.schedule = scale, schedule
         ctx.set_materialize_grads(False)
         return o, (final_state if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, erase, write, initial_state, A, S0, R = ctx.saved_tensors
+        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.to(v.dtype)
         h0 = initial_state.float() if initial_state is not None else None
         dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
             q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
-            S0=S0, R=R)
+            S0=S0, R=R, Aqk=Aqk)
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, dg, d_erase, d_write, dh0, None, None, None, None, None

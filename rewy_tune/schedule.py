@@ -7,7 +7,8 @@ changed copy (nested stage fields may be given as dicts: `s.replace(consumer_cfg
 Stage map (rewy-math §§3–6):
 - ``recompute``      W = A E, U = A Z (policy R; policy A still recomputes W for the reverse scan)
 - ``forward_scan``   S0 per chunk and R (policy R); block_k × block_v is the scan's state tile
-- ``dv_local``       A_qkᵀ dO with A_qk recomputed from q, k, G
+- ``dv_local``       A_qkᵀ dO with A_qk recomputed from q, k, G (vector gates with ``dv_local_source ==
+                     "forward"``: the forward's saved A_qk, FLA's Aqk, read instead; block_v, warps, stages only)
 - ``reverse_scan``   dS1 per chunk, R̄, dh0; block_k × block_v is the scan's state tile
 - ``producer``       P = AᵀR̄, D = −L_<(P Rᵀ) written to memory (only when ``consumer == "separate"``)
 - ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip)
@@ -16,8 +17,10 @@ Stage map (rewy-math §§3–6):
 Which StageConfig members a stage reads: recompute, dv_local, consumer_cfg all four; forward_scan and
 reverse_scan all four (block_k must cover K); producer block_v, num_warps, num_stages; cumsum num_warps
 (and block_k for vector gates). The search spaces pin the members a stage does not read to one value.
-``intra`` and ``intra_precision`` are read only by vector-gate operators (KDA/GDN2); scalar gates form Λ exactly
-and accept any value.
+``intra``, ``intra_precision`` and ``dv_local_source`` are read only by vector-gate operators (KDA/GDN2); scalar
+gates form Λ exactly and accept any value. ``dv_local_source``: "recompute" rebuilds A_qk in dv_local from q, k, G;
+"forward" has the autograd Function save the forward's A_qk ([B,T,H,C] in the input dtype, FLA's ``Aqk``, which
+FLA's own backward keeps too) and dv_local multiplies it with dO.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
 INTRA_PRECISIONS = ("ieee", "tf32x3")
+DV_LOCAL_SOURCES = ("recompute", "forward")
 CHUNK_SIZES = (16, 32, 64)
 STAGES = ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg", "cumsum")
 
@@ -98,6 +102,7 @@ class Schedule:
     intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee") or 3×tf32 ("tf32x3")
     forward_scan_segments: int = 1  # sequence split of the forward scan (parallel segments, see scan.py)
     reverse_scan_segments: int = 1  # sequence split of the reverse scan
+    dv_local_source: str = "recompute"  # vector gates: A_qk of dv_local recomputed, or the forward's saved Aqk
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -114,7 +119,8 @@ class Schedule:
                 raise ValueError(f"Schedule.{name} must be an int in [1, 64], got {val!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
-                              ("intra_precision", INTRA_PRECISIONS)):
+                              ("intra_precision", INTRA_PRECISIONS),
+                              ("dv_local_source", DV_LOCAL_SOURCES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

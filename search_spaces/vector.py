@@ -62,21 +62,26 @@ INTRA_CHOICES = ["auto", "subchunk"]
 # Precision of the fp32 intra products: exact fp32 FMAs ("ieee") or three tf32 tensor-core products per product
 # ("tf32x3", fp32-level error; compiles 2-3x faster). The correctness gates decide per trial.
 INTRA_PRECISION_CHOICES = ["ieee", "tf32x3"]
+# Source of dv_local's A_qk: recomputed from q, k, G ("recompute", the GPU-verified default) or the forward's saved
+# Aqk ("forward": one [C, C] x [C, BV] product per V tile; FLA keeps the same buffer). The gates decide per trial.
+DV_LOCAL_SOURCE_CHOICES = ["recompute", "forward"]
 # Row block of the sub-chunk fallback (kernels/triton/vector_local.py SUBCHUNK_ROWS; a test keeps them equal).
 SUBCHUNK_ROWS = 16
 # The scans hold the K rows of the state in register blocks of at most 64 rows (kernels/triton/scan.py).
 STATE_BLOCK_ROWS = 64
 
-__all__ = ["CONDITIONS", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES", "constraint", "default_schedule",
-           "gpu_fault_reasons", "register_estimate", "schedule_from_params", "shared_memory_estimate", "space"]
+__all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES", "constraint",
+           "default_schedule", "gpu_fault_reasons", "register_estimate", "schedule_from_params",
+           "shared_memory_estimate", "space"]
 
 
 def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
-    """Flat parameter name -> choices, for head dims K, V: the scalar space plus `intra` and the vector cumsum's
-    feature tile."""
+    """Flat parameter name -> choices, for head dims K, V: the scalar space plus `intra`, `intra_precision`,
+    `dv_local_source` and the vector cumsum's feature tile."""
     out = scalar.space(K, V)
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
+    out["dv_local_source"] = list(DV_LOCAL_SOURCE_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)
     return out
 
@@ -117,8 +122,13 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     # tensor cores.)
     dl = schedule.dv_local
     do_stage = e if e < 4 else 3 * e // 2
-    est["dv_local"] = max(2 * C * dl.block_k * 4, C * C * 4 + C * dl.block_v * 4
-                          + (dl.num_stages - 1) * C * dl.block_v * do_stage * (V > dl.block_v))
+    do_loop = (dl.num_stages - 1) * C * dl.block_v * do_stage * (V > dl.block_v)
+    if schedule.dv_local_source == "forward":
+        # the saved A_qk tile [C, C] (input dtype) × dO: no intra product. Not calibrated against sm_90 compiles
+        # (the fp32 [C, C] term of the recompute form is kept as its bound).
+        est["dv_local"] = C * C * 4 + C * dl.block_v * 4 + do_loop
+    else:
+        est["dv_local"] = max(2 * C * dl.block_k * 4, C * C * 4 + C * dl.block_v * 4 + do_loop)
 
     # producer (separate consumer only; local.py, gate-independent): Aᵀ [C, C], R̄ and Rᵀ tiles per stage, and
     # the P tile in pd_dtype on its way out (the scalar model counts P in the input dtype: 8 KiB short at BV = 64
@@ -190,8 +200,10 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
         out[name] = (Kp * cfg.block_v + C * cfg.block_v) / (32 * cfg.num_warps)
     # dv_local: A_qkᵀ [C, C] fp32 accumulated over feature tiles with the fp32 operand pair [C, BK], [BK, C];
     # then the [C, BV] product.
+    # (dv_local_source "forward": no intra operand pair, block_k unread.)
     dl = schedule.dv_local
-    out["dv_local"] = (C * C + max(2 * C * dl.block_k, C * dl.block_v)) / (32 * dl.num_warps)
+    operands = C * dl.block_v if schedule.dv_local_source == "forward" else max(2 * C * dl.block_k, C * dl.block_v)
+    out["dv_local"] = (C * C + operands) / (32 * dl.num_warps)
     # recompute: A [C, C] in the input dtype (two values per register) and the fp32 operand + result tiles.
     rc = schedule.recompute
     out["recompute"] = (C * C / 2 + 2 * C * max(rc.block_k, rc.block_v)) / (32 * rc.num_warps)
@@ -214,6 +226,8 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
         reasons.append(f"cumsum.block_k={schedule.cumsum.block_k} exceeds K={K} rounded up to a power of two")
     if schedule.intra_precision not in INTRA_PRECISION_CHOICES:
         reasons.append(f"intra_precision={schedule.intra_precision!r} is not one of {INTRA_PRECISION_CHOICES}")
+    if schedule.dv_local_source not in DV_LOCAL_SOURCE_CHOICES:
+        reasons.append(f"dv_local_source={schedule.dv_local_source!r} is not one of {DV_LOCAL_SOURCE_CHOICES}")
     reasons += resource_reasons(shared_memory_estimate(schedule, K, V, e), register_estimate(schedule, K, V),
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)

@@ -14,7 +14,7 @@ import pytest
 
 from rewy_tune import search
 from rewy_tune import search_spaces as ss
-from rewy_tune.schedule import INTRA_MODES, INTRA_PRECISIONS, Schedule, StageConfig
+from rewy_tune.schedule import DV_LOCAL_SOURCES, INTRA_MODES, INTRA_PRECISIONS, Schedule, StageConfig
 from rewy_tune.search_spaces import scalar, vector
 
 DB = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-campaign-gdn2-2026-11-30.db"
@@ -168,6 +168,10 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         assert sp["intra"] == ["auto", "subchunk"] and set(sp["intra"]) <= set(INTRA_MODES)
         assert "centred" not in sp["intra"]  # unguarded: overflows on strong decays
         assert sp["intra_precision"] == ["ieee", "tf32x3"] and set(sp["intra_precision"]) <= set(INTRA_PRECISIONS)
+        # the forward's saved Aqk is searched; the default keeps the GPU-verified recompute
+        assert sp["dv_local_source"] == ["recompute", "forward"] and set(sp["dv_local_source"]) == set(DV_LOCAL_SOURCES)
+        assert base.dv_local_source == "recompute"
+        assert "dv_local_source" not in scalar.space(K, V)
         assert sp["cumsum.block_k"] and all(16 <= bk <= max(16, K) for bk in sp["cumsum.block_k"])
         for name, choices in sp.items():
             for c in choices:
@@ -256,6 +260,7 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         assert all("intra" in p and "cumsum.block_k" in p for _, p in sampled)
         assert {s.intra for s, _ in sampled} == {"auto", "subchunk"}
         assert {s.intra_precision for s, _ in sampled} == {"ieee", "tf32x3"}
+        assert {s.dv_local_source for s, _ in sampled} == {"recompute", "forward"}
         assert {s.cumsum.block_k for s, _ in sampled} <= set(vector.space(128, 128)["cumsum.block_k"])
         assert len({s.cumsum.block_k for s, _ in sampled}) > 1
     for op in ("gdn", "deltanet"):
@@ -263,6 +268,7 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         assert all("intra" not in p and "cumsum.block_k" not in p for _, p in sampled)
         assert {s.intra for s, _ in sampled} == {"auto"}  # pinned
         assert {s.intra_precision for s, _ in sampled} == {"ieee"}
+        assert {s.dv_local_source for s, _ in sampled} == {"recompute"}
     # the interpreter demo keeps the vector choices (tiles capped at 32)
     s, p = _sample("kda", n=1, interpreter=True)[0]
     assert "intra" in p and s.cumsum.block_k <= 32

@@ -29,6 +29,11 @@ class ChunkForward:
     A: torch.Tensor  # M^{-1} in FLA layout [B,T,H,C], working dtype; columns past a chunk's length are 0
     S0: torch.Tensor | None = None  # policy A: state entering each chunk [B,NT,H,K,V]
     R: torch.Tensor | None = None  # policy A: corrections (v_new) [B,T,H,V]
+    # A_qk in fla-core 0.6.0's Aqk convention (what chunk_kda_fwd / chunk_gdn2_fwd return as out[3]): [B,T,H,C] in
+    # k's dtype, row t = query i of its chunk, column c = key j = c of the same chunk, scale folded in,
+    # Aqk[t, c] = s Σ_f q_if k_jf exp(G_if − G_jf) for j ≤ i (diagonal included), G the natural-log chunk cumsum.
+    # Entries with j > i are 0 here; FLA leaves them unwritten (torch.empty), so readers must mask them.
+    Aqk: torch.Tensor | None = None
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,6 +124,7 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
     S = Q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(wd)
     O = Q.new_empty(B, H, T, V)
     A_all = Q.new_zeros(B, H, T, C)
+    Aqk_all = Q.new_zeros(B, H, T, C)
     S0_all, R_all = [], []
     for sl in chunk_slices(T, C):
         n = sl.stop - sl.start
@@ -130,8 +136,10 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
         W = A @ (ec * Kc * gamma)
         U = A @ (wc * Vc)
         R = U - W @ S
-        O[:, :, sl] = (scale * Qc * gamma) @ S + output_matrix(Qc, Kc, Gc, scale) @ R
+        Aqk = output_matrix(Qc, Kc, Gc, scale)
+        O[:, :, sl] = (scale * Qc * gamma) @ S + Aqk @ R
         A_all[:, :, sl, :n] = A
+        Aqk_all[:, :, sl, :n] = Aqk
         S0_all.append(S)
         R_all.append(R)
         S = gamma_n.transpose(-1, -2) * S + (Kc * tau).transpose(-1, -2) @ R
@@ -143,4 +151,5 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
         A=A_all.transpose(1, 2),
         S0=torch.stack(S0_all, dim=1) if save_states else None,
         R=torch.cat(R_all, dim=2).transpose(1, 2) if save_states else None,
+        Aqk=Aqk_all.transpose(1, 2).to(k.dtype),
     )

@@ -8,9 +8,11 @@ policies because the reverse scan uses the −WᵀR̄ form (§4 (i)).
 
 Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
-forward_state_scan; dv_local → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
-reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer;
-cumsum → chunk_cumsum / reverse_chunk_cumsum; intra is validated but scalar gates form Λ exactly.
+forward_state_scan; dv_local (+ dv_local_source for vector gates: A_qk recomputed or the forward's Aqk) →
+dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) → reverse_state_scan; producer + pd_dtype →
+producer (separate only); consumer_cfg + consumer → consumer; cumsum → chunk_cumsum / reverse_chunk_cumsum;
+intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk
+in dv_local).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedu
 
 
 def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                         S0=None, R=None, G=None):
+                         S0=None, R=None, G=None, Aqk=None):
     """ReWY backward of DeltaNet (g None) / GDN (g [B,T,H]) on Triton.
 
     q, k [B,T,H,K]; v, do [B,T,H,V] (one dtype: fp16/bf16/fp32); g, erase, write [B,T,H]; A = M^{-1}
@@ -101,13 +103,16 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     gate); d_erase, d_write in erase's / write's dtypes (the erase and write paths of β, returned apart);
     dh0 fp32 (None without an initial state).
 
-    Vector gates (g [B,T,H,K]: KDA, GDN2) go to ``vector_local.rewy_backward_triton_vector`` (same contract).
+    Vector gates (g [B,T,H,K]: KDA, GDN2) go to ``vector_local.rewy_backward_triton_vector`` (same contract, plus
+    Aqk: the forward's A_qk [B,T,H,chunk_size] in FLA's convention, read when schedule.dv_local_source is
+    "forward"). Scalar gates never read Aqk.
     """
     if isinstance(g, torch.Tensor) and g.dim() == 4 and g.shape == q.shape:
         from .vector_local import rewy_backward_triton_vector
 
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
-                                           initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G)
+                                           initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
+                                           Aqk=Aqk)
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
                       schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local, consumer=run_consumer)

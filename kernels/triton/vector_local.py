@@ -6,8 +6,11 @@ Inputs: G [B,T,H,K] (chunk-local cumulative gate, natural log, fp32); erase e [B
 - ``dv_local_vector``  dv_local = A_qkᵀ dO. A_qk is *recomputed* here from q, k, G with per-channel decay (same
                        guarded dispatch as the consumer: centred products when the tile's gate range allows,
                        16-row anchored blocks + pairwise diagonal blocks otherwise). Recomputing keeps the
-                       backward's inputs equal to the scalar-gate pipeline's (A, not A_qk); FLA's saved Aqk
-                       would save 2n²K FLOPs per chunk but needs a second forward buffer to be threaded through.
+                       backward's inputs equal to the scalar-gate pipeline's (A, not A_qk); the default
+                       (Schedule.dv_local_source == "recompute").
+- ``dv_local_aqk``     dv_local = A_qkᵀ dO from the forward's saved A_qk (Schedule.dv_local_source == "forward"):
+                       fla-core's Aqk (chunk_kda_fwd / chunk_gdn2_fwd out[3]) or the torch forward's
+                       ``ChunkForward.Aqk``, one [C, C] × [C, BV] product per V tile, no gate work.
 - producer             P = AᵀR̄, D = −L_<(P Rᵀ): gate-independent, ``kernels/triton/local.py``'s producer serves
                        vector gates unchanged (separate consumer mode).
 - ``consumer_vector``  centred matrix intra (§6.3/6.4) with the range guard (§7) → dq, dk, dv, d_erase, d_write,
@@ -159,6 +162,59 @@ def dv_local_vector(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int 
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
         INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
         IPREC=_intra_precision(intra_precision),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dv
+
+
+# --------------------------------------------------------------------------------------------------
+# dv_local = A_qkᵀ dO from the forward's A_qk (dv_local_source == "forward")
+# --------------------------------------------------------------------------------------------------
+# The saved A_qk follows fla-core 0.6.0's Aqk (fla/ops/kda/chunk_intra.py chunk_kda_fwd_intra; the same for
+# fla/ops/gdn2/chunk_intra.py chunk_gdn2_fwd_intra): [B,T,H,C] in k's dtype, row = query token i, column = key
+# j of the same chunk (t mod C), scale folded in, Aqk[i, j] = s Σ_f q_if k_jf exp2(g_i − g_j) with g FLA's
+# chunk cumsum taken with scale=RCP_LN2, i.e. exp(G_i − G_j) in this file's natural-log G: it is the
+# transpose of ``b_at`` above before masking (b_at[j, i] = A_qk[i, j]). Diagonal included (j ≤ i). FLA's
+# buffer is torch.empty and only j ≤ i is written (off-diagonal 16-row blocks below the diagonal, the
+# diagonal blocks' lower triangles), so the load masks j > i instead of multiplying it away.
+@triton.jit(do_not_specialize=["T", "H"])
+def rewy_bwd_kernel_dv_local_aqk(
+    Aqk, do, dv,
+    T, H, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    rows = i_t * BT + o_i
+    m_row = rows < T
+    tok = (i_b * T + rows) * H + i_h
+    # b_at[j, i] = Aqk[row i, column j] for j ≤ i < n (a valid row i implies a valid column j ≤ i).
+    m_at = (o_i[:, None] <= o_i[None, :]) & m_row[None, :]
+    b_at = tl.load(Aqk + tok[None, :] * BT + o_i[:, None], mask=m_at, other=0.0)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_row[:, None] & (o_v < V)[None, :]
+        p_v = tok[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_v, other=0.0)
+        b_dv = mm(b_at, b_do, PREC)
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+
+
+def dv_local_aqk(Aqk, do, *, chunk_size: int = 64, BV: int = 64, num_warps: int = 4,
+                 num_stages: int = 2) -> torch.Tensor:
+    """dv_local = A_qkᵀ dO per chunk from the forward's A_qk (FLA's Aqk convention, see above): Aqk
+    [B,T,H,chunk_size] in do's dtype; returns [B,T,H,V] in do's dtype. Entries with column > row are not read."""
+    B, T, H, V = do.shape
+    if tuple(Aqk.shape) != (B, T, H, chunk_size):
+        raise ValueError(f"Aqk must be [B,T,H,chunk_size]={(B, T, H, chunk_size)}, got {tuple(Aqk.shape)}")
+    if Aqk.dtype != do.dtype or Aqk.device != do.device:
+        raise ValueError(f"Aqk must share do's dtype and device ({do.dtype}, {do.device}), got {Aqk.dtype}, "
+                         f"{Aqk.device}")
+    _check_tiles(chunk_size, 16, BV, num_warps, num_stages)
+    Aqk, do = Aqk.contiguous(), do.contiguous()
+    dv = torch.empty_like(do)
+    rewy_bwd_kernel_dv_local_aqk[(triton.cdiv(T, chunk_size), B * H)](
+        Aqk, do, dv, T, H, V=V, BT=chunk_size, BV=BV, PREC=dot_precision(do.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return dv
@@ -469,12 +525,14 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
 # The whole vector-gate backward
 # --------------------------------------------------------------------------------------------------
 def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                                S0=None, R=None, G=None, intra_paths: dict | None = None):
+                                S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None):
     """ReWY backward of KDA (erase = write = β [B,T,H]) / GDN2 (erase b [B,T,H,K], write w [B,T,H,V]) on Triton.
 
     Same contract as ``pipeline.rewy_backward_triton``: q, k [B,T,H,K]; v, do [B,T,H,V] (fp16/bf16/fp32);
     g [B,T,H,K] natural-log gate; A = M^{-1} [B,T,H,chunk_size]; dht, initial_state None or [B,H,K,V];
-    S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A; G the chunk cumsum of g (None: computed here).
+    S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A; G the chunk cumsum of g (None: computed here); Aqk the
+    forward's A_qk [B,T,H,chunk_size] in q's dtype (FLA's Aqk convention), required when
+    ``schedule.dv_local_source == "forward"`` and not read otherwise.
     ``intra_paths``: optional dict; receives ``"flags"``, the consumer's int32 per-tile path flags (1 centred,
     2 sub-chunk), with no host synchronisation.
 
@@ -501,10 +559,22 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
         if t is not None and tuple(t.shape) != (B, H, K, V):
             raise ValueError(f"{name} must be [B,H,K,V]={(B, H, K, V)}, got {tuple(t.shape)}")
     schedule.validate_for(K, V)
+    from_forward = schedule.dv_local_source == "forward"
+    if from_forward:
+        if Aqk is None:
+            raise ValueError("schedule.dv_local_source='forward' reads the forward's A_qk: pass Aqk "
+                             f"[B,T,H,chunk_size]={(B, T, H, schedule.chunk_size)}")
+        if tuple(Aqk.shape) != (B, T, H, schedule.chunk_size) or Aqk.dtype != q.dtype:
+            raise ValueError(f"Aqk must be [B,T,H,chunk_size]={(B, T, H, schedule.chunk_size)} in {q.dtype}, got "
+                             f"{tuple(Aqk.shape)} in {Aqk.dtype}")
     from .pipeline import run_stages
 
-    def dv_local(*args, **kwargs):
-        return dv_local_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision, **kwargs)
+    def dv_local(q_, k_, G_, do_, *, scale, chunk_size, BK, BV, num_warps, num_stages):
+        if from_forward:  # A_qk saved by the forward: q, k, G, scale and the feature tile BK are not read
+            return dv_local_aqk(Aqk, do_, chunk_size=chunk_size, BV=BV, num_warps=num_warps, num_stages=num_stages)
+        return dv_local_vector(q_, k_, G_, do_, scale=scale, chunk_size=chunk_size, BK=BK, BV=BV,
+                               num_warps=num_warps, num_stages=num_stages, intra=schedule.intra,
+                               intra_precision=schedule.intra_precision)
 
     def consumer(*args, **kwargs):
         *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,

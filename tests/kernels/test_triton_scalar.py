@@ -175,6 +175,7 @@ FIELD_CHANGES = {
     "pd_dtype": "input",  # read in separate mode
     "intra": "centred",
     "intra_precision": "tf32x3",  # read by vector gates only (test_triton_vector.py)
+    "dv_local_source": "forward",  # read by vector gates only (test_triton_vector.py); scalar gates recompute
     "forward_scan_segments": 2,
     "reverse_scan_segments": 3,
 }

@@ -22,6 +22,7 @@ from rewy_tune.kernels.reference.rewy_backward import rewy_backward
 from rewy_tune.kernels.triton.vector_local import (
     PATH_CENTRED,
     PATH_SUBCHUNK,
+    dv_local_aqk,
     dv_local_vector,
     rewy_backward_triton_vector,
 )
@@ -108,10 +109,36 @@ def run_triton(x, schedule, policy="R", paths=None):
     fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
                         chunk_size=schedule.chunk_size, save_states=policy == "A")
     kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
+    if schedule.dv_local_source == "forward":
+        kw["Aqk"] = unwritten_upper(fwd.Aqk.to(x["q"].dtype))
     out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"],
                                       x["dht"], scale=scale, initial_state=x["h0"], schedule=schedule,
                                       intra_paths=paths, **kw)
     return dict(zip(NAMES, out))
+
+
+def unwritten_upper(Aqk):
+    """The forward's A_qk as fla-core leaves it: its buffer is torch.empty and only column j ≤ row i (within the
+    chunk) is written, so NaN everywhere else here; a reader that does not mask them fails the finiteness gate."""
+    T, C = Aqk.shape[1], Aqk.shape[-1]
+    upper = torch.arange(C)[None, :] > (torch.arange(T) % C)[:, None]  # [T, C]
+    return Aqk.masked_fill(upper[None, :, None, :].to(Aqk.device), float("nan"))
+
+
+def fla_naive_aqk(q, k, g, scale, C):
+    """FLA's A_qk in float64, written from fla-core 0.6.0's fla/ops/kda/naive.py naive_chunk_kda (lines 117-159:
+    q·scale, g.cumsum within the chunk, Aqk[..., j] = (q ⊙ exp(g − g_j)) k_j, triu(diagonal=1) masked to 0), with T
+    zero-padded to a multiple of C (the naive asserts it) and laid out as fla's Aqk [B,T,H,C]."""
+    B, T, H, K = q.shape
+    pad = (-T) % C
+    NT = (T + pad) // C
+    chunks = lambda t: F.pad(t.double().cpu(), (0, 0, 0, 0, 0, pad)).reshape(B, NT, C, H, K).permute(0, 3, 1, 2, 4)
+    qc, kc, gc = chunks(q) * scale, chunks(k), chunks(g).cumsum(-2)
+    A = torch.zeros(B, H, NT, C, C, dtype=torch.float64)
+    for j in range(C):
+        A[..., j] = torch.einsum("...cd,...d->...c", qc * (gc - gc[..., j:j + 1, :]).exp(), kc[..., j, :])
+    A = A.masked_fill(torch.triu(torch.ones(C, C, dtype=torch.bool), diagonal=1), 0)
+    return A.permute(0, 2, 3, 1, 4).reshape(B, NT * C, H, C)[:, :T]
 
 
 def path_set(paths):
@@ -379,6 +406,124 @@ def test_public_op_backend_triton(op, policy):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# dv_local_source = "forward": dv_local reads the forward's A_qk (fla-core's Aqk convention) instead of recomputing
+
+
+@pytest.mark.parametrize("C", [64, 32])
+@pytest.mark.parametrize("T", [64, 100])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_forward_aqk_is_flas_convention(op, T, C):
+    # The reference forward's A_qk against FLA's naive definition (an independent float64 computation).
+    x = make_inputs(op, 1, T, 2, 32, 32, seed=71 + T)
+    scale = 32 ** -0.5
+    d = {n: (t.double() if t is not None else None) for n, t in x.items()}
+    fwd = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], scale=scale, chunk_size=C)
+    ref = fla_naive_aqk(x["q"], x["k"], x["g"], scale, C)
+    assert fwd.Aqk.shape == (1, T, 2, C) and fwd.Aqk.dtype == torch.float64
+    torch.testing.assert_close(fwd.Aqk, ref, rtol=1e-12, atol=1e-12)
+    # in k's dtype, as FLA stores it
+    for dt in (torch.float32, torch.bfloat16):
+        c = {n: (t.to(dt) if t is not None else None) for n, t in x.items()}
+        a = chunk_forward(c["q"], c["k"], c["v"], c["g"].float(), c["erase"], c["write"], scale=scale,
+                          chunk_size=C).Aqk
+        assert a.dtype == dt
+        assert rel_rms(a, fla_naive_aqk(c["q"], c["k"], c["g"].float(), scale, C)) <= (1e-6 if dt == torch.float32
+                                                                                      else 1e-2)
+
+
+@pytest.mark.parametrize("decay", ["normal", "strong"])
+def test_dv_local_aqk(decay):
+    x = make_inputs("gdn2", 1, 100, 2, 32, 48, seed=61, decay=decay)
+    scale = 32 ** -0.5
+    aqk = fla_naive_aqk(x["q"], x["k"], x["g"], scale, 64)
+    ref = torch.empty_like(x["do"], dtype=torch.float64)
+    for t0 in range(0, 100, 64):
+        sl = slice(t0, min(t0 + 64, 100))
+        n = sl.stop - sl.start
+        for h in range(2):
+            ref[0, sl, h] = aqk[0, sl, h, :n].T @ x["do"][0, sl, h].double()
+    A = unwritten_upper(aqk.float())
+    out = dv_local_aqk(A, x["do"], BV=16)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel_rms(out, ref) <= 1e-6
+    assert torch.equal(dv_local_aqk(2 * A, x["do"], BV=16), 2 * out)  # A is what it reads
+    assert rel_rms(dv_local_aqk(A, x["do"], BV=64, num_warps=8, num_stages=1), ref) <= 1e-6
+    with pytest.raises(ValueError, match="Aqk must be"):
+        dv_local_aqk(A[..., :32], x["do"])
+    with pytest.raises(ValueError, match="Aqk must share"):
+        dv_local_aqk(A.double(), x["do"])
+
+
+# (T, policy, consumer, decay): T = 100 has a 36-row tail; every case has an initial state and dht.
+FORWARD_CASES = [(64, "R", "joint", "normal"), (100, "A", "joint", "normal"), (100, "R", "separate", "normal"),
+                 (64, "A", "separate", "normal"), (100, "R", "joint", "strong")]
+
+
+@pytest.mark.parametrize("T,policy,consumer,decay", FORWARD_CASES)
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_dv_local_source_forward(op, T, policy, consumer, decay):
+    x = make_inputs(op, 1, T, 2, 32, 32, seed=83 + T, decay=decay)
+    base = SEPARATE["separate-fp32-bk16"] if consumer == "separate" else BASE
+    s = base.replace(dv_local_source="forward")
+    assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"{op} T{T} {policy} {consumer} {decay} forward Aqk")
+
+
+def test_dv_local_source_forward_needs_aqk():
+    x = make_inputs("kda", 1, 64, 1, 32, 32)
+    fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], scale=1.0)
+    call = lambda **over: rewy_backward_triton_vector(**{**dict(
+        q=x["q"], k=x["k"], v=x["v"], g=x["g"], erase=x["erase"], write=x["write"], A=fwd.A, do=x["do"], dht=None,
+        scale=1.0, initial_state=None, schedule=BASE.replace(dv_local_source="forward")), **over})
+    with pytest.raises(ValueError, match="pass Aqk"):
+        call()
+    with pytest.raises(ValueError, match="Aqk must be"):
+        call(Aqk=fwd.Aqk.half())
+    with pytest.raises(ValueError, match="dv_local_source must be one of"):
+        BASE.replace(dv_local_source="saved")
+    # "recompute" never reads it: a NaN Aqk changes nothing
+    a = call(schedule=BASE, Aqk=torch.full_like(fwd.Aqk, float("nan")))
+    b = call(schedule=BASE)
+    for u, w in zip(a, b):
+        assert (u is None and w is None) or torch.equal(u, w)
+
+
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_public_op_dv_local_source_forward(op, policy):
+    # Through the autograd Function (CPU: the reference forward's Aqk): saved only when the schedule reads it.
+    import rewy_tune
+
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=89)
+    fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
+    coefs = ("erase",) if op == "kda" else ("erase", "write")
+    names = ("q", "k", "v", "g", *coefs, "h0")
+
+    def grads(dtype, backend, schedule=None):
+        leaves = {n: x[n].detach().to(dtype).requires_grad_() for n in names}
+        saved = []
+
+        def pack(t):
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], *[leaves[n] for n in coefs],
+                       initial_state=leaves["h0"], output_final_state=True, policy=policy, backend=backend,
+                       schedule=schedule)
+        ((o * x["do"].to(dtype)).sum() + (ht * x["dht"].to(dtype)).sum()).backward()
+        return {n: leaves[n].grad for n in names}, saved.count((1, 100, 1, 64))
+
+    ref, _ = grads(torch.float64, "torch")
+    got, n_fwd = grads(torch.float32, "triton", BASE.replace(dv_local_source="forward"))
+    _, n_rec = grads(torch.float32, "triton", BASE)
+    assert n_fwd == n_rec + 1  # A, and Aqk only when dv_local reads it
+    for n in names:
+        assert torch.isfinite(got[n]).all(), n
+        tol = GATE if n in ("g", "erase", "write") else ORDINARY
+        assert rel_rms(got[n], ref[n]) <= tol, (n, rel_rms(got[n], ref[n]))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # GPU (benchmark shapes, bf16): run by the lead on the device machine
 
 BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
@@ -451,6 +596,48 @@ def test_gpu_run_twice_bitwise(op, consumer):
     a, b = run_triton(x, s), run_triton(x, s)
     for n in NAMES:
         assert torch.equal(a[n], b[n]), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_dv_local_source_forward_fla(op, policy):
+    # bf16 through fla-core's own forward, whose Aqk (out[3]) dv_local then reads: first FLA's Aqk against the
+    # reference forward's (the convention, lower triangle only: FLA leaves j > i unwritten), then the gradients of
+    # the whole autograd Function against the float64 oracle.
+    from rewy_tune.kernels.triton_function import RewyTritonFunction, _fla_forward_vector
+
+    x = make_inputs(op, 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=97, gate_div=16.0)
+    scale = 128 ** -0.5
+    write = x["erase"] if op == "kda" else x["write"]  # FLA's KDA has one β
+    aqk = _fla_forward_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], write, x["h0"], scale, 64, policy,
+                              True)[5]
+    d = {n: (t.double() if t is not None else None) for n, t in x.items()}
+    ref_aqk = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], scale=scale).Aqk
+    assert aqk.shape == ref_aqk.shape and aqk.dtype == torch.bfloat16
+    upper = torch.arange(64, device="cuda")[None, :] > (torch.arange(2048, device="cuda") % 64)[:, None]
+    lower = lambda a: a.double().masked_fill(upper[None, :, None, :], 0.0)
+    assert rel_rms(lower(aqk), lower(ref_aqk)) <= ORDINARY
+
+    names = ("q", "k", "v", "g", "erase", "h0") + (("write",) if op == "gdn2" else ())
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
+    sched = _gpu_schedule(128, op).replace(dv_local_source="forward")
+    o, ht = RewyTritonFunction.apply(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["erase"],
+                                     leaves["erase"] if op == "kda" else leaves["write"], leaves["h0"], scale, 64,
+                                     policy, True, sched)
+    ((o.float() * x["do"].float()).sum() + (ht.float() * x["dht"]).sum()).backward()
+    ref = oracle(x, device="cuda")
+    got = {"dq": leaves["q"].grad, "dk": leaves["k"].grad, "dv": leaves["v"].grad, "dg": leaves["g"].grad,
+           "dh0": leaves["h0"].grad}
+    if op == "kda":
+        got["dbeta"], ref["dbeta"] = leaves["erase"].grad, ref["d_erase"] + ref["d_write"]
+    else:
+        got["db"], ref["db"], got["dw"], ref["dw"] = leaves["erase"].grad, ref["d_erase"], leaves["write"].grad, \
+            ref["d_write"]
+    for n, t in got.items():
+        assert torch.isfinite(t.float()).all(), n
+        tol = GATE if n in ("dg", "dbeta", "db", "dw") else ORDINARY
+        assert rel_rms(t, ref[n]) <= tol, (op, policy, n, rel_rms(t, ref[n]))
 
 
 # One-command bisection on an H200 (pytest -m gpu -rxX -k h200_incorrect): the failing schedule and one variant per
