@@ -68,6 +68,7 @@ def variants_for(op: str, base):
                                                         "num_stages": 1})
         out["dvl16x16w8"] = base.replace(dv_local={"block_k": 16, "block_v": 16, "num_warps": 8, "num_stages": 2})
         out["tf32x3"] = base.replace(intra_precision="tf32x3")
+        out["dvl-from-fwd"] = base.replace(dv_local_source="forward")  # dv_local from the forward's Aqk
     else:
         out["cons32x64"] = base.replace(consumer_cfg={"block_k": 32, "block_v": 64})
     return out
