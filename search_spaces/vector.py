@@ -47,7 +47,6 @@ from typing import Any
 from rewy_tune.schedule import Schedule, StageConfig
 from rewy_tune.search_spaces import scalar
 from rewy_tune.search_spaces.scalar import (
-    CONDITIONS,
     _dims,
     _pow2_ceil,
     _tiles_for,
@@ -75,13 +74,18 @@ __all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PREC
            "shared_memory_estimate", "space"]
 
 
+# dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
+# not sample it (each such trial would otherwise have duplicates that differ in an unread field).
+CONDITIONS: dict[str, tuple[str, str]] = {**scalar.CONDITIONS, "dv_local.block_k": ("dv_local_source", "recompute")}
+
+
 def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
     """Flat parameter name -> choices, for head dims K, V: the scalar space plus `intra`, `intra_precision`,
     `dv_local_source` and the vector cumsum's feature tile."""
-    out = scalar.space(K, V)
+    # dv_local_source first: the tuner samples in this order and dv_local.block_k is conditional on it
+    out = {"dv_local_source": list(DV_LOCAL_SOURCE_CHOICES), **scalar.space(K, V)}
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
-    out["dv_local_source"] = list(DV_LOCAL_SOURCE_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)
     return out
 

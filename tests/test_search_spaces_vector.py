@@ -261,6 +261,8 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         assert {s.intra for s, _ in sampled} == {"auto", "subchunk"}
         assert {s.intra_precision for s, _ in sampled} == {"ieee", "tf32x3"}
         assert {s.dv_local_source for s, _ in sampled} == {"recompute", "forward"}
+        # dv_local.block_k is read only when A_qk is recomputed: not sampled otherwise
+        assert all(("dv_local.block_k" in p) == (s.dv_local_source == "recompute") for s, p in sampled)
         assert {s.cumsum.block_k for s, _ in sampled} <= set(vector.space(128, 128)["cumsum.block_k"])
         assert len({s.cumsum.block_k for s, _ in sampled}) > 1
     for op in ("gdn", "deltanet"):
