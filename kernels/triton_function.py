@@ -118,7 +118,9 @@ class RewyTritonFunction(torch.autograd.Function):
             raise ValueError(f"g must be None (DeltaNet), [B,T,H] (GDN) or [B,T,H,K] (KDA/GDN2), got "
                              f"{tuple(g.shape)}")
         K, V = q.shape[-1], v.shape[-1]
-        schedule = schedule if schedule is not None else default_schedule_for(q, K, V, op_of(g, erase))
+        op = op_of(g, erase)
+        vector_gate = op in ("kda", "gdn2")
+        schedule = schedule if schedule is not None else default_schedule_for(q, K, V, op)
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
         if schedule.chunk_size != chunk_size:
@@ -127,9 +129,9 @@ class RewyTritonFunction(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         erase, write = erase.contiguous(), write.contiguous()
         g = g.contiguous() if g is not None else None
-        keep_aqk = g is not None and g.dim() == 4 and schedule.dv_local_source == "forward"
+        keep_aqk = vector_gate and schedule.dv_local_source == "forward"
         Aqk = None
-        if q.is_cuda and g is not None and g.dim() == 4:
+        if q.is_cuda and vector_gate:
             if erase.dim() == 3 and erase.data_ptr() != write.data_ptr():
                 raise ValueError("on CUDA, KDA takes one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None
