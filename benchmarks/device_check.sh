@@ -3,7 +3,7 @@
 # the steps named in STEPS, each under its own time limit. Everything comes back in $OUT/results.tgz plus
 # the short logs (the device returns at most 8 files).
 #   STEPS="tests bench" bash benchmarks/device_check.sh
-# Steps: tests (GPU-marked pytest, TEST_JOBS processes), bench (rewy-tune bench --op $BENCH_OPS --policy
+# Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
 # results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA),
 # models (benchmarks/model_check.py).
@@ -21,14 +21,17 @@ python3 -c "import rewy_tune.measure as m; print(m.software_versions())" | tee -
 step_tests() {
   REWY_TEST_REPORT="$RES/gpu-tests-report.txt" timeout "${TESTS_S:-220}" python3 -m pytest -q -m gpu \
     -n "${TEST_JOBS:-8}" --timeout 200 -rf --tb=short -p no:cacheprovider -p no:benchmark ${TEST_ARGS:-} \
-    ${TEST_PATHS:-tests} > "$OUT/gpu-tests.log" 2>&1
+    ${TEST_K:+-k "$TEST_K"} ${TEST_PATHS:-tests} > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu-tests-report.txt" | cut -c1-150
   grep -E "^E  " "$RES/gpu-tests-report.txt" | sort | uniq -c | sort -rn | head -15
 }
-step_bench() {
-  timeout "${BENCH_S:-330}" python3 -m rewy_tune.cli.main bench --op "${BENCH_OPS:-all}" \
-    --policy "${BENCH_POLICY:-both}" ${BENCH_ARGS:-} --json "$RES/bench" > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?"; grep -vE "^measuring" "$OUT/bench.log" | grep -vE "^\s*$" | tail -90
+step_bench() {  # BENCH_OPS: one operator or "all" per rewy-tune bench call; several run one after another
+  for op in ${BENCH_OPS:-all}; do
+    timeout "${BENCH_S:-330}" python3 -m rewy_tune.cli.main bench --op "$op" \
+      --policy "${BENCH_POLICY:-both}" ${BENCH_ARGS:-} --json "$RES/bench" >> "$OUT/bench.log" 2>&1
+    echo "bench $op rc=$?"
+  done
+  grep -vE "^measuring" "$OUT/bench.log" | grep -vE "^\s*$" | tail -90
 }
 step_campaign() {
   timeout "${CAMPAIGN_S:-500}" python3 -m rewy_tune.cli.main --device h200 $CAMPAIGN_ARGS \

@@ -238,9 +238,10 @@ def _resolve(bucket: Bucket, device: Device, environment: Environment, fp: str, 
         d = log_distance(w.bucket, bucket)
         return s, (f"same-cc: winner #{w.id} of {w.bucket.label} from {w.gpu_name} (fingerprint {w.fingerprint}, "
                    f"compute capability {cc}, log distance {d:g}){suffix}")
-    generic = default_schedule(None, K=bucket.K, V=bucket.V, op=bucket.op)
+    generic = default_schedule(None, K=bucket.K, V=bucket.V, op=bucket.op, dtype=bucket.dtype)
     if not device.is_cpu and device.compute_capability != (0, 0):
-        specific = default_schedule(device.compute_capability, K=bucket.K, V=bucket.V, op=bucket.op)
+        specific = default_schedule(device.compute_capability, K=bucket.K, V=bucket.V, op=bucket.op,
+                                    dtype=bucket.dtype)
         if specific != generic:
             return specific, f"default: built-in schedule for compute capability {cc}{suffix}"
     return generic, f"generic: built-in generic schedule (no tuned winner for {bucket.label}){suffix}"

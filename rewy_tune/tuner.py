@@ -282,7 +282,7 @@ class Campaign:
 
         cfg = self.config
         cc = cfg.device.compute_capability
-        seeds: list[Schedule] = [search.default_schedule(st.op, cc, cfg.K, cfg.V)]
+        seeds: list[Schedule] = [search.default_schedule(st.op, cc, cfg.K, cfg.V, cfg.dtype)]
         with self.db.session() as s:
             for w in queries.winners(s, op=st.op, policy=st.policy):
                 if w.compute_capability == "{}.{}".format(*cc) and (w.K, w.V, w.dtype) == (cfg.K, cfg.V, cfg.dtype):

@@ -55,10 +55,11 @@ def constraint(schedule: Schedule, problem_dims: Any, op: str | None = None) -> 
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
-                     op: str | None = None) -> Schedule:
-    """Built-in schedule of the operator's space for a compute capability (None: generic)."""
+                     op: str | None = None, dtype: str | None = None) -> Schedule:
+    """Built-in schedule of the operator's space for a compute capability (None: generic) and input dtype
+    ("bf16", "fp16", "fp32"; None: 16-bit)."""
     if op in VECTOR_OPS:
-        return vector.default_schedule(compute_capability, K=K, V=V, op=op)
+        return vector.default_schedule(compute_capability, K=K, V=V, op=op, dtype=dtype)
     return module_for(op).default_schedule(compute_capability, K=K, V=V)
 
 

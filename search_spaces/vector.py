@@ -255,9 +255,11 @@ def _compute_capability(problem_dims: Any) -> tuple[int, int] | None:
 # - the forward scan at block_v = 32 < V (R, S0). Zeroing R in an interpreter run of the same case reproduces the
 #   signature: dq 0.86, dk 1.00, dg 0.95, db 0.95 (S0 alone moves dk by only 0.05-0.15);
 # - the 4-warp consumer at block_k = 16 over one V tile, separate, tf32x3 intra (its 8-warp twin passed).
-# Both are rejected for 16-bit inputs on compute capability 9.x (not when problem_dims names none) until
-# tests/kernels/test_triton_vector.py::test_gpu_h200_incorrect_schedule_bisect says which one it is (that test
-# runs the failing schedule and one variant per suspect through the tuner's tail-h0 gate on the GPU).
+# Both are rejected for 16-bit inputs on compute capability 9.x (not when problem_dims names none).
+# Session 4 ran tests/kernels/test_triton_vector.py::test_gpu_h200_incorrect_schedule_bisect on the H200: the
+# failing schedule still fails with forward_scan.block_v = 16, with an 8-warp consumer and with a joint consumer
+# (each variant changes one suspect), so neither suspect alone explains it; the fault is elsewhere or in more
+# than one stage. The rejections stay (cheap, conservative) and the tuner's gates catch the rest.
 H200_FAULT = ("H200 gdn2 campaign session 3 (trial 1, tail-h0): wrong dq/dk/dg/db, rel-RMS 0.8-1.1, right on the "
               "interpreter; unverified GPU suspect")
 
@@ -297,11 +299,15 @@ GDN2_H200 = {
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
-                     op: str | None = None) -> Schedule:
+                     op: str | None = None, dtype: str | None = None) -> Schedule:
     """Built-in schedule for KDA/GDN2: the scalar default (it passes this model), with the vector cumsum's
-    feature tile no wider than K; GDN2 on compute capability 9.0 at K = V = 128 has its campaign-measured one
-    (`GDN2_H200`). KDA keeps the scalar-derived one until a KDA campaign has gated a faster one on a GPU."""
-    if op == "gdn2" and compute_capability is not None and tuple(compute_capability) == (9, 0) and K == V == 128:
+    feature tile no wider than K; GDN2 on compute capability 9.0 at K = V = 128 with 16-bit inputs (dtype None:
+    16-bit assumed) has its campaign-measured one (`GDN2_H200`). Its 3-stage, 128-wide scans need 246 784 B of
+    shared memory with fp32 inputs (over the H200's 232 448 B: the H200 fp32 gate tests of session 4), so fp32
+    inputs take the scalar-derived one. KDA keeps the scalar-derived one until a KDA campaign has gated a faster
+    one on a GPU."""
+    if (op == "gdn2" and compute_capability is not None and tuple(compute_capability) == (9, 0) and K == V == 128
+            and dtype in (None, "bf16", "fp16")):
         return Schedule(**GDN2_H200)
     base = scalar.default_schedule(compute_capability, K=K, V=V)
     return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))})

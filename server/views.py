@@ -460,7 +460,8 @@ def _default_schedules(camps: list[CampaignRow]) -> list[dict[str, Any]]:
             continue
         device = c.environment.device
         try:
-            sched = default_schedule(c.op, (device.cc_major, device.cc_minor), K, V).to_dict()
+            sched = default_schedule(c.op, (device.cc_major, device.cc_minor), K, V,
+                                     c.workload.get("dtype")).to_dict()
         except Exception:  # noqa: BLE001 - a default the tuner cannot build is simply not shown
             continue
         if sched not in out:

@@ -529,11 +529,11 @@ def test_public_op_dv_local_source_forward(op, policy):
 BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
 
 
-def _gpu_schedule(KV, op):
+def _gpu_schedule(KV, op, dtype=None):
     try:
         from rewy_tune.search_spaces import default_schedule
 
-        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, op=op)
+        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, op=op, dtype=dtype)
     except ImportError:
         tile = max(128, KV)  # the scans hold all K rows; one pipeline stage keeps fp32 operands in shared memory
         one = lambda bk=64: StageConfig(bk, 64, 4, 1)
@@ -550,7 +550,8 @@ def test_gpu_fp32_gate(op, decay, consumer, precision):
     # fp32 inputs on the GPU, held to the project gate, for both intra-product precisions.
     x = make_inputs(op, 1, 2048, 4, 128, 128, device="cuda", seed=3, decay=decay, gate_div=16.0)
     paths = {}
-    out = run_triton(x, _gpu_schedule(128, op).replace(consumer=consumer, intra_precision=precision), "R", paths)
+    sched = _gpu_schedule(128, op, "fp32").replace(consumer=consumer, intra_precision=precision)
+    out = run_triton(x, sched, "R", paths)
     assert PATH_SUBCHUNK in path_set(paths) if decay == "strong" else path_set(paths) == {PATH_CENTRED}
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu fp32 {op} {decay} {consumer}")
 
