@@ -6,7 +6,8 @@
 # Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
 # results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA),
-# models (benchmarks/model_check.py).
+# enumerate (benchmarks/enumerate_space.py: every schedule of a small space timed once), models
+# (benchmarks/model_check.py).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
 # PYTHONSAFEPATH: the checkout's rewy_tune/ folder must not shadow the installed namespace, in any
@@ -42,6 +43,11 @@ step_sweep() {
   timeout "${SWEEP_S:-300}" python3 benchmarks/profile_stages.py --op "${SWEEP_OPS:-all}" --jobs "${SWEEP_JOBS:-12}" \
     --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} --json "$RES/sweep.json" > "$OUT/sweep.log" 2>&1
   echo "sweep rc=$?"; tail -c 6000 "$OUT/sweep.log"
+}
+step_enumerate() {  # the exhaustive table for benchmarks/tpe_convergence.py
+  timeout "${ENUM_S:-330}" python3 benchmarks/enumerate_space.py --op "${ENUM_OP:-gdn}" --shape "${ENUM_SHAPE:-1,8192,4}" \
+    --jobs "${ENUM_JOBS:-14}" --out "$RES/enum-${ENUM_OP:-gdn}.json" > "$OUT/enumerate.log" 2>&1
+  echo "enumerate rc=$?"; tail -20 "$OUT/enumerate.log"
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \

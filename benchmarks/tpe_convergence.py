@@ -339,6 +339,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=0.03, help="target: best-so-far <= (1 + tol) x best")
     p.add_argument("--png", type=Path, help="convergence plot (default: benchmarks/results/tpe-convergence-...)")
     p.add_argument("--json", type=Path, help="write the summary here")
+    p.add_argument("--no-default", action="store_true",
+                   help="do not enqueue the table's default first: measures the search alone (when the default "
+                        "is the best combination, enqueueing it makes the bar hold at evaluation 1)")
     args = p.parse_args(argv)
     if args.synthetic == bool(args.table):
         p.error("give exactly one of TABLE or --synthetic")
@@ -357,6 +360,8 @@ def load(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     table = load(args)
+    if args.no_default:
+        table.pop("default", None)
     try:
         index = index_table(table)
     except TableError as exc:

@@ -9,10 +9,10 @@ Flow (architecture.md, Tuner):
    before compiling (status `constraint`, recorded, never compiled), run the gates and then time the
    workload shape by shape, reporting the running sum so `CannotBeatBestPruner` stops a trial that
    cannot beat the best. The trial row is written to the database, then the result is told to Optuna.
-   With `--compile-jobs N` (N > 1, the GPU default) a worker asks N trials at once, gates them in N
-   processes in parallel (each gate also runs every workload shape once, filling Triton's on-disk
-   cache) and then times them one by one in its single measuring process: compilation, not timing,
-   is what a GPU trial spends its time on, and timing must have the GPU to itself. A schedule that passed
+   With `--compile-jobs N` (N > 1, the GPU default) a worker keeps N gate processes busy, each asking for
+   its next trial as soon as it is free (each gate also runs every workload shape once, filling Triton's
+   on-disk cache), and its single measuring process times the gated trials as they arrive: compilation,
+   not timing, is what a GPU trial spends its time on. A schedule that passed
    its gates is then also timed on the other buckets of the same operator and policy and recorded there as
    a trial of their studies (`share_trials`): the kernels compile once for every shape, so one compilation
    buys a trial in every bucket.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import socket
 import statistics
 import threading
@@ -222,6 +223,8 @@ class Campaign:
         self.on_event = on_event
         self.promotions: list[Any] = []
         self.errors: list[str] = []
+        self._in_flight: dict[int, int] = {}  # id(StudyState) -> trials asked there, not yet settled
+        self._ask_lock = threading.Lock()  # one ask at a time over all workers: targets count asked trials
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self) -> list[StudyState]:
@@ -362,32 +365,30 @@ class Campaign:
     def _next_study(self) -> StudyState | None:
         open_ = []
         for st in self.states:
-            n = len(self._counted(st))
+            n = len(self._counted(st)) + self._promised(st)
             if st.target is None or n < st.target:
                 open_.append((n, st))
         return min(open_, key=lambda x: x[0])[1] if open_ else None
 
-    def _batch_size(self, st: StudyState) -> int:
-        k = max(1, self.config.compile_jobs)
-        if st.target is not None:
-            k = min(k, st.target - len(self._counted(st)))
-        return max(1, k)
+    def _promised(self, st: StudyState) -> int:
+        """Trials in flight in the other buckets of st's operator and policy: each that passes its gates will
+        be recorded in st too (share_trials), so asking st for more now would waste a compilation."""
+        if not self.config.share_trials:
+            return 0
+        return sum(self._in_flight.get(id(o), 0) for o in self.states
+                   if o is not st and (o.op, o.policy) == (st.op, st.policy))
 
-    def _fill_batch(self, st: StudyState) -> list[dict[str, Any]]:
-        """Ask until the batch holds `_batch_size` schedules worth compiling. A constraint violation is a
-        recorded trial (it counts toward the target) but needs no compile slot: on the H200 five of the first
-        eight asks were rejected, and a batch of three left most of the compile processes idle."""
-        want = self._batch_size(st)
-        batch: list[dict[str, Any]] = []
-        for _ in range(8 * want):  # bounded: a space that is almost all constraint still returns
-            if len(batch) >= want or self.stop.is_set():
-                break
-            if st.target is not None and len(self._counted(st)) >= st.target:
-                break
+    def _next_task(self, st: StudyState) -> dict[str, Any] | None:
+        """Ask until the study gives a schedule worth compiling (None: target reached, stopping, or a bounded
+        number of asks all rejected). A constraint violation is a recorded trial (it counts toward the target)
+        but takes no compile slot: on the H200 five of the first eight asks were rejected."""
+        for _ in range(64):  # bounded: a space that is almost all constraint still returns
+            if self.stop.is_set() or (st.target is not None and len(self._counted(st)) >= st.target):
+                return None
             task = self._ask(st)
             if task is not None:
-                batch.append(task)
-        return batch
+                return task
+        return None
 
     def run(self) -> None:
         """Run the worker loops to the budget; returns when done or stopped (Ctrl-C: `stop_now`)."""
@@ -417,30 +418,88 @@ class Campaign:
         gpu = slot if (cfg.device_kind == "cuda" and cfg.workers > 1) else None
         worker = TrialWorker(device=cfg.device_kind, gpu_index=gpu)
         gaters = [TrialWorker(device=cfg.device_kind, gpu_index=gpu) for _ in range(cfg.compile_jobs)] \
-            if cfg.compile_jobs > 1 else [worker]
-        self.workers.extend({id(w): w for w in [worker, *gaters]}.values())
+            if cfg.compile_jobs > 1 else []
+        self.workers.extend([worker, *gaters])
         try:
-            while not self.stop.is_set() and self._budget_left():
-                st = self._next_study()
-                if st is None:
-                    break
-                batch = self._fill_batch(st)
-                gates = self._gate_batch(batch, gaters)
-                for pending, gate in zip(batch, gates):
-                    # Ctrl-C: every trial of the batch is re-enqueued. Budget spent: failed gates are
-                    # recorded (nothing left to do), passed ones are re-enqueued rather than timed.
-                    if self.stop.is_set() or (gate.status == "ok" and not self._budget_left()):
-                        self._abandon(st, pending["trial"])
-                        continue
-                    self._measure_and_tell(st, pending, gate, worker)
+            if gaters:
+                self._stream(worker, gaters)
+            else:
+                self._serial(worker)
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not pass silently
             import traceback
 
             self.errors.append(f"worker {slot}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             self.stop.set()
         finally:
-            for w in {id(w): w for w in [worker, *gaters]}.values():
+            for w in [worker, *gaters]:
                 w.stop()
+
+    def _serial(self, worker: TrialWorker) -> None:
+        """One process gates and times each trial in turn (the CPU demo, --compile-jobs 1)."""
+        while not self.stop.is_set() and self._budget_left():
+            st = self._next_study()
+            if st is None:
+                break
+            pending = self._next_task(st)
+            if pending is None:
+                continue
+            gate = self._gate(pending, worker, warm=False)
+            self._settle(st, pending, gate, worker)
+
+    def _stream(self, worker: TrialWorker, gaters: list[TrialWorker]) -> None:
+        """Gate processes compile and check trials continuously, each asking for its next trial as soon as it
+        is free; the measuring process times each gated trial as it arrives. A batch that waited for its
+        slowest compile, then for the timing of all its trials (and, on the first trial, for FLA's
+        autotuning: 138 s on the H200), left the compile processes idle half of the time. Gate processes
+        touch the GPU only briefly (small checks, one warm-up launch per shape); timings are medians of at
+        least 30 observations, and promotion re-measures the best with the GPU to itself."""
+        done: queue.Queue = queue.Queue()
+        ask_lock = self._ask_lock
+
+        def feed(gater: TrialWorker) -> None:
+            try:
+                while not self.stop.is_set() and self._budget_left():
+                    with ask_lock:
+                        st = self._next_study()
+                        pending = self._next_task(st) if st is not None else None
+                        if pending is not None:
+                            self._in_flight[id(st)] = self._in_flight.get(id(st), 0) + 1
+                        waiting = st is None and any(self._in_flight.values())
+                    if st is None and not waiting:
+                        break
+                    if pending is None:  # all targets met, or promised by trials in flight that may still fail
+                        time.sleep(0.2 if waiting else 0.0)
+                        continue
+                    done.put((st, pending, self._gate(pending, gater, warm=self.config.device_kind == "cuda")))
+            except Exception as exc:  # noqa: BLE001 - reported by the measuring loop
+                done.put(exc)
+            finally:
+                done.put(None)
+
+        feeders = [threading.Thread(target=feed, args=(g,), daemon=True) for g in gaters]
+        for th in feeders:
+            th.start()
+        finished = 0
+        while finished < len(feeders):
+            item = done.get()
+            if item is None:
+                finished += 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            try:
+                self._settle(*item, worker)
+            finally:
+                with ask_lock:
+                    self._in_flight[id(item[0])] -= 1
+
+    def _settle(self, st: StudyState, pending: dict[str, Any], gate, worker: TrialWorker) -> None:
+        # Ctrl-C: the trial is re-enqueued. Budget spent: a failed gate is recorded (nothing left to do), a
+        # passed one is re-enqueued rather than timed.
+        if self.stop.is_set() or (gate.status == "ok" and not self._budget_left()):
+            self._abandon(st, pending["trial"])
+        else:
+            self._measure_and_tell(st, pending, gate, worker)
 
     def _record(self, st: StudyState, trial, schedule: dict, status: str, *, message=None, errors=None,
                 samples=None, compile_s=None, bench_s=None) -> None:
@@ -487,32 +546,13 @@ class Campaign:
                     device=cfg.device_kind, backend=kernel_backend(), seed=trial.number, reps=cfg.reps)
         return {"trial": trial, "schedule": sched, "task": task, "shapes": st.shapes}
 
-    def _gate_batch(self, batch: list[dict[str, Any]], gaters: list[TrialWorker]) -> list:
-        """Gate a batch, one trial per gate process, all at once. With separate gate processes on a GPU
-        each gate also runs every workload shape once, so the measuring process finds the kernels
-        compiled in Triton's cache."""
-        if not batch:
-            return []
-        warm = self.config.compile_jobs > 1 and self.config.device_kind == "cuda"
-        results: list = [None] * len(batch)
-
-        def one(i: int) -> None:
-            p = batch[i]
-            msg = {"kind": "gate", **p["task"]}
-            if warm:
-                msg["warm_shapes"] = [list(x) for x in p["shapes"]]
-            results[i] = gaters[i % len(gaters)].request(msg, self.config.trial_timeout_s)
-
-        if len(batch) == 1 or len(gaters) == 1:
-            for i in range(len(batch)):
-                one(i)
-        else:
-            threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(batch))]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-        return results
+    def _gate(self, pending: dict[str, Any], gater: TrialWorker, *, warm: bool):
+        """Gate one trial in a gate process. warm: also run every workload shape once, so the measuring
+        process finds the kernels compiled in Triton's on-disk cache."""
+        msg = {"kind": "gate", **pending["task"]}
+        if warm:
+            msg["warm_shapes"] = [list(x) for x in pending["shapes"]]
+        return gater.request(msg, self.config.trial_timeout_s)
 
     def _measure_and_tell(self, st: StudyState, pending: dict[str, Any], gate, worker: TrialWorker) -> None:
         from rewy_tune.db import queries

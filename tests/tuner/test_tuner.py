@@ -300,15 +300,15 @@ def test_a_gated_schedule_is_timed_and_recorded_in_every_bucket(tmp_path):
     assert not any("shared from" in r[3] for rows in _rows_with_messages(db2).values() for r in rows)
 
 
-def test_a_batch_is_filled_past_constraint_rejections_up_to_the_target():
-    # On the H200 five of eight asks were constraint rejections and the batch compiled three schedules. The
-    # batch now asks on (each rejection still a recorded trial) until it holds compile_jobs tasks, the study
+def test_a_gate_process_asks_past_constraint_rejections_up_to_the_target():
+    # On the H200 five of eight asks were constraint rejections and took compile slots. A gate process now
+    # asks on (each rejection still a recorded trial) until it holds a schedule worth compiling, the study
     # reaches its target, or a bounded number of asks.
     import types
 
     from rewy_tune import tuner
 
-    def stub(answers, want, target):
+    def stub(answers, target):
         asked = []
         it = iter(answers)
 
@@ -316,16 +316,15 @@ def test_a_batch_is_filled_past_constraint_rejections_up_to_the_target():
             asked.append(1)
             return next(it, None)
 
-        obj = types.SimpleNamespace(_batch_size=lambda st: want, _ask=ask, _counted=lambda st: asked,
-                                    stop=threading.Event())
+        obj = types.SimpleNamespace(_ask=ask, _counted=lambda st: asked, stop=threading.Event())
         st = types.SimpleNamespace(target=target)
-        return tuner.Campaign._fill_batch(obj, st), len(asked)
+        return tuner.Campaign._next_task(obj, st), len(asked)
 
     # None = a constraint rejection; dicts = schedules worth compiling
-    answers = [None, None, {"n": 1}, None, {"n": 2}, None, None, {"n": 3}, {"n": 4}]
-    batch, asks = stub(answers, want=3, target=None)
-    assert [t["n"] for t in batch] == [1, 2, 3] and asks == 8
-    batch, asks = stub(answers, want=3, target=4)  # the target counts rejections too
-    assert [t["n"] for t in batch] == [1] and asks == 4
-    batch, asks = stub([None] * 100, want=2, target=None)  # all rejected: bounded
-    assert batch == [] and asks == 16
+    answers = [None, None, {"n": 1}, None, {"n": 2}]
+    task, asks = stub(answers, target=None)
+    assert task == {"n": 1} and asks == 3
+    task, asks = stub(answers, target=2)  # the target counts rejections too
+    assert task is None and asks == 2
+    task, asks = stub([None] * 100, target=None)  # all rejected: bounded
+    assert task is None and asks == 64
