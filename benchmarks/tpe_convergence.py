@@ -26,7 +26,8 @@ Input table (JSON), produced on the GPU by measuring every combination once:
 Replay, per sampler and seed: an in-memory Optuna study (minimize) with the tuner's own sampler
 (`rewy_tune.tuner._sampler(seed)`: TPE, multivariate, grouped, 5 start-up trials) or `RandomSampler(seed)`.
 Each trial suggests every parameter with `suggest_categorical` and the exact choices, and gets the table's
-`median_ms`; a failed combination is told FAIL, as the tuner does, and still counts as an evaluation. A
+`median_ms`; as the tuner does, a "constraint" combination is told PRUNED with a positive trial constraint
+(infeasible, which TPE models), any other failure FAIL; each still counts as an evaluation. A
 repeated proposal counts again too (the tuner does not deduplicate). Evaluations run to `--max-evals`
 (default: the space size).
 
@@ -184,6 +185,9 @@ def replay(space: dict[str, list], index: dict, sampler, max_evals: int, default
         if status == "ok":
             study.tell(trial, ms)
             best = min(best, ms)
+        elif status == "constraint":  # as the tuner tells a rejection: infeasible, seen by TPE
+            trial.set_constraint("limits", 1.0)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
         curve.append(best)

@@ -42,9 +42,13 @@ class TrialWorker:
     """A restartable worker process; `request(msg, timeout)` returns an Outcome and never raises for
     failures of the code under test."""
 
-    def __init__(self, *, device: str, gpu_index: int | None = None):
+    def __init__(self, *, device: str, gpu_index: int | None = None, threads: int | None = None):
+        """threads: torch's intra-op threads in the process (None: torch's default, all cores; the CPU
+        device always uses 1). The gates' float64 reference runs on the CPU: 16 gate processes each with
+        torch's default of one thread per core took 250-270 s per gate on the 32-core H200 host."""
         self.device = device
         self.gpu_index = gpu_index
+        self.threads = threads
         self.proc = None
         self.conn = None
 
@@ -59,7 +63,7 @@ class TrialWorker:
             env["TRITON_CACHE_AUTOTUNING"] = "1"
         if self.gpu_index is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_index)
-        self.proc = ctx.Process(target=_serve, args=(child, env), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, env, self.threads), daemon=True)
         self.proc.start()
         child.close()
         self.conn = parent
@@ -74,6 +78,12 @@ class TrialWorker:
         self.proc = self.conn = None
 
     close = stop
+
+    def kill(self) -> None:
+        """Kill the process from another thread; a request blocked on it returns runtime_error (and cleans up)."""
+        proc = self.proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
 
     @property
     def pid(self) -> int | None:
@@ -105,12 +115,14 @@ class TrialWorker:
 
 # -- inside the worker process ---------------------------------------------------------------------
 
-def _serve(conn, env: dict[str, str]) -> None:
+def _serve(conn, env: dict[str, str], threads: int | None = None) -> None:
     os.environ.update(env)
     import torch
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
+    elif threads is not None:
+        torch.set_num_threads(max(1, threads))
     while True:
         try:
             msg = conn.recv()

@@ -371,3 +371,52 @@ def test_constraint_rejects_segments_whose_combine_kernel_cannot_fit():
             assert any(name in r and "segment-combine" in r for r in tight), tight
         one = constraint(base.replace(**{name: 1}), {"K": 128, "V": 128, "smem_limit": need - 1})
         assert not [r for r in one if "segment-combine" in r]
+
+
+# The stage configurations of the two GDN2 schedules that gave wrong dq/dk/dg/db on the H200 (session 3 trial 1;
+# session 4, the two-worker campaign's only gated trial): both right on the interpreter, both with right dv, dw,
+# dh0, which points at the recompute (U) or the forward scan (S0, R). Each configuration alone, on the GPU, at
+# the gate case's shape (T = 484: a 36-row tail; initial state; vector gate; bf16 with bf16 states).
+WRONG_H200_STAGES = [
+    ("recompute", {"BK": 128, "BV": 16, "num_warps": 4, "num_stages": 1}),
+    ("recompute", {"BK": 128, "BV": 32, "num_warps": 4, "num_stages": 2}),
+    ("forward", {"BV": 32, "num_warps": 4, "num_stages": 2, "num_segments": 1}),
+    ("forward", {"BV": 128, "num_warps": 8, "num_stages": 1, "num_segments": 8}),
+    ("reverse", {"BV": 64, "num_warps": 2, "num_stages": 2, "num_segments": 2}),
+    ("reverse", {"BV": 32, "num_warps": 2, "num_stages": 2, "num_segments": 4}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                    reason="needs a CUDA GPU and REWY_TEST_NO_INTERPRET=1 (compiled Triton)")
+@pytest.mark.parametrize("stage,cfg", WRONG_H200_STAGES,
+                         ids=[f"{s}-" + "-".join(f"{k}{v}" for k, v in c.items()) for s, c in WRONG_H200_STAGES])
+def test_gpu_wrong_h200_schedule_stage(stage, cfg):
+    B, T, H, K, V, C, dtype = 1, 484, 4, 128, 128, 64, torch.bfloat16
+    s = as_input(make_system(B, T, H, K, V, C, "vector", vec_erase=True, seed=21, device="cuda"), dtype)
+    Wr, Ur = ref_recompute(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"].nan_to_num(), C)
+    if stage == "recompute":
+        W, U = recompute_wu(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"], chunk_size=C, **cfg)
+        check(W, Wr, dtype, "W")
+        check(U, Ur, dtype, "U")
+        return
+    W, U = Wr.to(dtype), Ur.to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    h0 = torch.randn(B, H, K, V, device="cuda", generator=gen)
+    kw = dict(chunk_size=C, BK=128, state_dtype=dtype, **cfg)
+    if stage == "forward":
+        Hr, Rr = ref_forward_scan(s["k"], W, U, s["G"], h0, C)
+        Hs, R = forward_state_scan(s["k"], W, U, s["G"], h0, **kw)
+        check(Hs, Hr, dtype, "S0")
+        check(R, Rr, dtype, "R")
+    else:
+        do = torch.randn(B, T, H, V, device="cuda", generator=gen).to(dtype)
+        dvl = torch.randn(B, T, H, V, device="cuda", generator=gen).to(dtype)
+        dht = torch.randn(B, H, K, V, device="cuda", generator=gen)
+        dr, Rbr, hr = ref_reverse_scan(s["q"], s["k"], W, s["G"], do, dvl, dht, K ** -0.5, C)
+        dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], W, s["G"], do, dvl, dht, scale=K ** -0.5, want_dh0=True,
+                                          **kw)
+        check(dS1, dr, dtype, "dS1")
+        check(Rb, Rbr, dtype, "Rbar")
+        check(dh0, hr, dtype, "dh0")

@@ -328,3 +328,43 @@ def test_a_gate_process_asks_past_constraint_rejections_up_to_the_target():
     assert task is None and asks == 2
     task, asks = stub([None] * 100, target=None)  # all rejected: bounded
     assert task is None and asks == 64
+
+
+def test_a_constraint_rejection_is_an_infeasible_trial_for_tpe():
+    # Told FAIL, rejections were invisible to TPE (29 of 30 asks rejected on the H200); now PRUNED with a positive
+    # trial constraint, which Optuna's TPE puts among the bad trials.
+    import types
+
+    import optuna
+
+    from rewy_tune import tuner
+
+    study = optuna.create_study(sampler=tuner._sampler(0))
+    recorded = []
+    obj = types.SimpleNamespace(_record=lambda st, trial, sched, status, message=None: recorded.append(
+        (status, message)), _done=lambda st: None)
+    st = types.SimpleNamespace(study=study)
+    tuner.Campaign._reject(obj, st, study.ask(), {}, "consumer_cfg: too big; reverse_scan: too big")
+    (t,) = study.get_trials()
+    assert t.state == optuna.trial.TrialState.PRUNED and t.constraints == {"limits": 2.0}
+    assert recorded == [("constraint", "consumer_cfg: too big; reverse_scan: too big")]
+
+
+def test_every_study_of_a_campaign_has_its_own_sampler_seed(tmp_path, monkeypatch):
+    # one seed for all buckets made every bucket propose the same schedules (compiled six times on the H200)
+    from rewy_tune import tuner
+    from rewy_tune.cli.campaign import build_config
+    from rewy_tune.db import open_db
+
+    seeds = []
+    real = tuner._sampler
+    monkeypatch.setattr(tuner, "_sampler", lambda seed: seeds.append(seed) or real(seed))
+    config = build_config(device="cpu", op="gdn", policy="both", shapes=None, workload=None, head_dim=32,
+                          trials=2, time_budget=None, db=str(tmp_path / "s.db"), storage=None, workers=1,
+                          resume=False, trial_timeout=None, seed=7)
+    db = open_db(config.db_url)
+    try:
+        states = tuner.Campaign(config, db).plan()
+    finally:
+        db.close()
+    assert len(states) == 4 and len(set(seeds)) == len(seeds) == 4 and seeds[0] == 7
