@@ -11,7 +11,8 @@ dtype, K, V):
 5. ``generic``  the generic built-in schedule.
 
 Winners whose kernel-source hash or compute capability differ from the running code are never used; the
-reason says how many were skipped. Results are cached per process per (bucket, fingerprint): after the
+reason says how many were skipped. `measured_speedup` gives FLA / ours as the chosen winner's promotion measured
+it (None for built-in schedules): `enable()` leaves a call to FLA when it is below 1. Results are cached per process per (bucket, fingerprint): after the
 first call a lookup is one dictionary hit; a lock is taken only on a miss. The database (``REWY_DB`` or
 the default data directory) is opened read-only, never created; a missing or corrupt database gives the
 built-in defaults with one warning, never an exception.
@@ -31,8 +32,8 @@ from rewy_tune.device import Device, Environment, current_device, current_enviro
 from rewy_tune.problem import Bucket, Problem, log_distance
 from rewy_tune.schedule import Schedule
 
-__all__ = ["DispatchWarning", "cache_size", "choose_schedule", "clear_cache", "lookup", "print_report", "record_fallback",
-           "record_routed", "report", "reset_report", "schedule_hash"]
+__all__ = ["DispatchWarning", "cache_size", "choose_schedule", "clear_cache", "lookup", "measured_speedup",
+           "print_report", "record_fallback", "record_routed", "report", "reset_report", "schedule_hash"]
 
 
 class DispatchWarning(UserWarning):
@@ -40,6 +41,7 @@ class DispatchWarning(UserWarning):
 
 
 _cache: dict[tuple, tuple[Schedule, str]] = {}
+_speedups: dict[tuple, float | None] = {}  # same keys: the chosen winner's measured FLA / ours
 _lock = threading.Lock()
 _fingerprints: dict[tuple[Device, Environment], str] = {}
 _default_fp: list[str] = []  # [fingerprint of current_device() under current_environment()], set on first use
@@ -56,12 +58,14 @@ class _Winner:
     compute_capability: str
     gpu_name: str
     id: int
+    speedup: float | None = None
 
 
 def clear_cache() -> None:
     """Forget cached lookups, fingerprints and open database handles (the next lookup re-reads `REWY_DB`)."""
     with _lock:
         _cache.clear()
+        _speedups.clear()
         _fingerprints.clear()
         _default_fp.clear()
         for db in _handles.values():
@@ -93,13 +97,7 @@ def lookup(problem: Problem, device: Device | None = None, *, environment: Envir
 
     `environment` (default: the running software) and `db_url` (default: `REWY_DB` or the data directory)
     exist for tests and tools. The reason starts with exact, nearest, same-cc, default or generic."""
-    if device is None and environment is None:
-        fp = _default_fp[0] if _default_fp else _init_default_fp()
-    else:
-        fp = _fingerprint(device, environment)[0]
-    T, BH = problem.T, problem.B * problem.H
-    key = (problem.op, problem.policy, problem.dtype, problem.K, problem.V,
-           1 << (T - 1).bit_length() if T > 1 else 1, 1 << (BH - 1).bit_length() if BH > 1 else 1, fp, db_url)
+    key = _key(problem, device, environment, db_url)
     hit = _cache.get(key)
     if hit is not None:
         return hit
@@ -107,8 +105,29 @@ def lookup(problem: Problem, device: Device | None = None, *, environment: Envir
         hit = _cache.get(key)
         if hit is None:
             _, dev, env = _fingerprint(device, environment)
-            hit = _cache[key] = _resolve(problem.bucket(), dev, env, fp, db_url)
+            schedule, reason, speedup = _resolve(problem.bucket(), dev, env, key[-2], db_url)
+            _speedups[key] = speedup
+            hit = _cache[key] = (schedule, reason)
         return hit
+
+
+def measured_speedup(problem: Problem, device: Device | None = None, *, environment: Environment | None = None,
+                     db_url: str | None = None) -> float | None:
+    """FLA / ours of the winner `lookup` chooses for `problem`, as its promotion measured it (on this device
+    for exact and nearest, on another machine of the same compute capability for same-cc); None for the
+    built-in schedules, which carry no measurement."""
+    lookup(problem, device, environment=environment, db_url=db_url)
+    return _speedups.get(_key(problem, device, environment, db_url))
+
+
+def _key(problem: Problem, device: Device | None, environment: Environment | None, db_url: str | None) -> tuple:
+    if device is None and environment is None:
+        fp = _default_fp[0] if _default_fp else _init_default_fp()
+    else:
+        fp = _fingerprint(device, environment)[0]
+    T, BH = problem.T, problem.B * problem.H
+    return (problem.op, problem.policy, problem.dtype, problem.K, problem.V,
+            1 << (T - 1).bit_length() if T > 1 else 1, 1 << (BH - 1).bit_length() if BH > 1 else 1, fp, db_url)
 
 
 def choose_schedule(problem: Problem, schedule: Schedule | None = None, device: Device | None = None
@@ -158,7 +177,7 @@ def _load_family(bucket: Bucket, db_url: str | None) -> tuple[list[_Winner], str
                     continue
                 env = row.environment
                 out.append(_Winner(bucket_of(row), dict(row.schedule), env.fingerprint, row.kernel_source_hash,
-                                   row.compute_capability, env.device.gpu_name, row.id))
+                                   row.compute_capability, env.device.gpu_name, row.id, row.speedup))
         return out, None
     except DatabaseError as exc:
         _drop_handle(url)
@@ -193,7 +212,7 @@ def _schedule_of(w: _Winner) -> Schedule | None:
 
 
 def _resolve(bucket: Bucket, device: Device, environment: Environment, fp: str, db_url: str | None
-             ) -> tuple[Schedule, str]:
+             ) -> tuple[Schedule, str, float | None]:
     from rewy_tune.search_spaces import default_schedule
 
     winners, db_note = _load_family(bucket, db_url)
@@ -226,25 +245,25 @@ def _resolve(bucket: Bucket, device: Device, environment: Environment, fp: str, 
     mine = [(w, s) for w, s in usable if w.fingerprint == fp]
     for w, s in mine:
         if w.bucket == bucket:
-            return s, f"exact: winner #{w.id} for {bucket.label} on this device{suffix}"
+            return s, f"exact: winner #{w.id} for {bucket.label} on this device{suffix}", w.speedup
     if mine:
         w, s = min(mine, key=lambda ws: (log_distance(ws[0].bucket, bucket), -ws[0].id))
         return s, (f"nearest: winner #{w.id} of {w.bucket.label} on this device "
-                   f"(log distance {log_distance(w.bucket, bucket):g}){suffix}")
+                   f"(log distance {log_distance(w.bucket, bucket):g}){suffix}"), w.speedup
     others = [(w, s) for w, s in usable if w.fingerprint != fp]
     if others:
         w, s = min(others, key=lambda ws: (ws[0].gpu_name != device.gpu_name,
                                             log_distance(ws[0].bucket, bucket), -ws[0].id))
         d = log_distance(w.bucket, bucket)
         return s, (f"same-cc: winner #{w.id} of {w.bucket.label} from {w.gpu_name} (fingerprint {w.fingerprint}, "
-                   f"compute capability {cc}, log distance {d:g}){suffix}")
+                   f"compute capability {cc}, log distance {d:g}){suffix}"), w.speedup
     generic = default_schedule(None, K=bucket.K, V=bucket.V, op=bucket.op, dtype=bucket.dtype)
     if not device.is_cpu and device.compute_capability != (0, 0):
         specific = default_schedule(device.compute_capability, K=bucket.K, V=bucket.V, op=bucket.op,
                                     dtype=bucket.dtype)
         if specific != generic:
-            return specific, f"default: built-in schedule for compute capability {cc}{suffix}"
-    return generic, f"generic: built-in generic schedule (no tuned winner for {bucket.label}){suffix}"
+            return specific, f"default: built-in schedule for compute capability {cc}{suffix}", None
+    return generic, f"generic: built-in generic schedule (no tuned winner for {bucket.label}){suffix}", None
 
 
 def problem_for_call(op: str, q, v, policy: str, initial_state=None) -> Problem | None:

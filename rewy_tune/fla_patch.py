@@ -9,7 +9,10 @@ A call runs the ReWY op (schedule from `dispatch.lookup`) only inside the suppor
 tensors, an operator whose Triton backward is GPU-verified (`kernels.triton_function.GPU_VERIFIED_OPS`), equal-length
 sequences (no cu_seqlens / context parallel), v heads == q heads (no GVA), K, V in [16, 256], dtype
 bf16/fp16/fp32 (bf16/fp16 only with K, V >= 64: `ops.gpu_unverified_dims`), chunk_size 64. Any other call goes to the original FLA function unchanged; both are counted
-in `report()`.
+in `report()`. A call whose tuned winner was measured slower than FLA (`dispatch.measured_speedup` < 1, from
+the winner's promotion against FLA) also goes to FLA: enabling rewy-tune must not slow a model down. Set
+``REWY_ALLOW_SLOWER=1`` to route such calls anyway (to measure them); built-in schedules carry no measurement
+and are routed.
 
 FLA's in-kernel activations, which its layers always request, are applied outside the op and the ReWY op runs
 on the activated tensors (`Activations`, `activation_plan`, `apply_activations`):
@@ -36,6 +39,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 import sys
 import threading
 import warnings
@@ -328,10 +332,14 @@ def envelope_reason(op: str, arguments: dict, extra: dict) -> str | None:
     return _plan(op, arguments, extra)[1]
 
 
+class _PreferFla(Exception):
+    """Raised by `_route` before running anything: this call is better left to FLA (the message says why)."""
+
+
 def _route(op: str, arguments: dict, acts: Activations | None = None):
     from rewy_tune import ops
     from rewy_tune.device import current_device
-    from rewy_tune.dispatch import lookup
+    from rewy_tune.dispatch import lookup, measured_speedup
     from rewy_tune.problem import Problem
 
     acts = Activations() if acts is None else acts
@@ -339,7 +347,13 @@ def _route(op: str, arguments: dict, acts: Activations | None = None):
     q, v, h0 = a["q"], a["v"], a["initial_state"]
     policy = _state["policy"]
     problem = Problem.from_tensors(op, q, v, policy, initial_state=h0)
-    schedule, reason = lookup(problem, current_device(q.device.index))
+    device = current_device(q.device.index)
+    schedule, reason = lookup(problem, device)
+    if not device.is_cpu and os.environ.get("REWY_ALLOW_SLOWER") != "1":
+        speedup = measured_speedup(problem, device)
+        if speedup is not None and speedup < 1.0:
+            raise _PreferFla(f"measured slower than FLA ({speedup:.2f}x, {reason.split(':')[0]} winner for "
+                             f"{problem.bucket().label}; REWY_ALLOW_SLOWER=1 routes it)")
     applied = acts.describe()
     _report.record_routed(op, problem.bucket().label, schedule,
                           reason + (f"; applied outside the op: {applied}" if applied else ""))
@@ -372,10 +386,13 @@ def _make_wrapper(op: str, original):
             arguments = dict(bound.arguments)
             extra = arguments.pop("kwargs", {}) or {}
             acts, reason = _plan(op, arguments, extra)
-        if reason is not None:
-            _report.record_fallback(op, reason)
-            return original(*args, **kwargs)
-        return _route(op, arguments, acts)
+        if reason is None:
+            try:
+                return _route(op, arguments, acts)
+            except _PreferFla as prefer:
+                reason = str(prefer)
+        _report.record_fallback(op, reason)
+        return original(*args, **kwargs)
 
     rewy_dispatch.__rewy_original__ = original
     rewy_dispatch.__rewy_op__ = op

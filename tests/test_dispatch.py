@@ -168,3 +168,23 @@ def test_lookups_while_the_database_is_written(tmp_path):
     clear_cache()
     s, reason = lookup(problem(T=64), H200, environment=RUN, db_url=url)
     assert s == S2 and reason.startswith("exact:"), reason
+
+
+def test_measured_speedup_of_the_chosen_winner(tmp_path):
+    # make_db promotes at 1.0 ms against FLA's 1.5 ms: 1.5x; a second family is slower than FLA
+    url = make_db(tmp_path / "w.db", [(H200, RUN, problem(T=2048), S1)])
+    db = open_db(url)
+    try:
+        with db.session() as s:
+            cid = queries.create_campaign(s, device=H200, environment=RUN, op="kda", policies=("R",), workload={},
+                                          budget={}).id
+            queries.promote_winner(s, campaign_id=cid, bucket=problem(op="kda").bucket(), schedule=S2.to_dict(),
+                                   latency_ms=2.0, fla_latency_ms=1.0)
+    finally:
+        db.close()
+    assert dispatch.measured_speedup(problem(T=2000), H200, environment=RUN, db_url=url) == pytest.approx(1.5)
+    assert dispatch.measured_speedup(problem(T=8192, B=2), H200, environment=RUN, db_url=url) == pytest.approx(1.5)
+    assert dispatch.measured_speedup(problem(T=2048), H100, environment=RUN, db_url=url) == pytest.approx(1.5)
+    assert dispatch.measured_speedup(problem(op="kda"), H200, environment=RUN, db_url=url) == pytest.approx(0.5)
+    assert dispatch.measured_speedup(problem(op="deltanet"), H200, environment=RUN, db_url=url) is None  # default
+    assert lookup(problem(op="kda"), H200, environment=RUN, db_url=url)[0] == S2

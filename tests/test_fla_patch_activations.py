@@ -375,3 +375,43 @@ def test_gpu_16bit_small_head_dims_kernels(admitted):
     ref = run(functools.partial(reference, l2norm_dtype=torch.bfloat16), case, {n: t.cpu() for n, t in x.items()},
               cast=lambda t: t.to(torch.float64))
     assert_close_to_reference(got, ref, "deltanet bf16 K=16 V=32 (cuda, backend='triton')")
+
+
+def test_calls_measured_slower_than_fla_go_to_fla(admitted, monkeypatch):
+    """A call whose tuned winner was measured slower than FLA stays with FLA (counted with the measurement);
+    REWY_ALLOW_SLOWER=1 routes it; built-in schedules (no measurement) are routed."""
+    from rewy_tune import device as device_mod
+    from rewy_tune import dispatch
+    from rewy_tune.search_spaces import default_schedule
+
+    h200 = device_mod.Device("NVIDIA H200", (9, 0), 132, 150_013_493_248)
+    monkeypatch.setattr(device_mod, "current_device", lambda index=None: h200)
+    measured = {"speedup": 0.71}
+    monkeypatch.setattr(dispatch, "lookup", lambda problem, device=None, **kw: (
+        default_schedule(None, K=problem.K, V=problem.V, op=problem.op), "exact: winner #3 (test)"))
+    monkeypatch.setattr(dispatch, "measured_speedup", lambda problem, device=None, **kw: measured["speedup"])
+    calls = []
+
+    def fla(*args, **kwargs):
+        calls.append(1)
+        return ("fla", "deltanet")
+
+    fla.__signature__ = inspect.signature(fla_patch._originals["deltanet"])
+    wrapper = fla_patch._make_wrapper("deltanet", fla)
+    x = make_inputs(CASES[0], torch.float32, "cpu")
+    h0 = x["initial_state"].transpose(-1, -2).contiguous()
+    args = dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"].sigmoid(), initial_state=h0, output_final_state=True)
+    assert wrapper(**args) == ("fla", "deltanet") and calls == [1]
+    (row,) = rewy_tune.report()["fallbacks"]
+    assert row["op"] == "deltanet" and row["reason"].startswith("measured slower than FLA (0.71x, exact winner")
+    for speedup, allow in ((None, None), (0.71, "1"), (1.2, None)):
+        measured["speedup"] = speedup
+        if allow:
+            monkeypatch.setenv("REWY_ALLOW_SLOWER", allow)
+        else:
+            monkeypatch.delenv("REWY_ALLOW_SLOWER", raising=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o, ht = wrapper(**args)
+        assert isinstance(o, torch.Tensor) and calls == [1], (speedup, allow)
+    assert rewy_tune.report()["routed_calls"] == 3
