@@ -384,6 +384,9 @@ WRONG_H200_STAGES = [
     ("forward", {"BV": 128, "num_warps": 8, "num_stages": 1, "num_segments": 8}),
     ("reverse", {"BV": 64, "num_warps": 2, "num_stages": 2, "num_segments": 2}),
     ("reverse", {"BV": 32, "num_warps": 2, "num_stages": 2, "num_segments": 4}),
+    # the only stage field both wrong schedules share and no passing H200 schedule had: a narrow, 1-2 warp cumsum
+    ("cumsum", {"BK": 32, "num_warps": 2}),
+    ("cumsum", {"BK": 16, "num_warps": 1}),
 ]
 
 
@@ -400,6 +403,12 @@ def test_gpu_wrong_h200_schedule_stage(stage, cfg):
         W, U = recompute_wu(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"], chunk_size=C, **cfg)
         check(W, Wr, dtype, "W")
         check(U, Ur, dtype, "U")
+        return
+    if stage == "cumsum":
+        x = torch.randn(B, T, H, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(23))
+        check(chunk_cumsum(x, chunk_size=C, **cfg), ref_chunk_cumsum(x, C, False), torch.float32, "cumsum")
+        check(reverse_chunk_cumsum(x, chunk_size=C, **cfg), ref_chunk_cumsum(x, C, True), torch.float32,
+              "reverse cumsum")
         return
     W, U = Wr.to(dtype), Ur.to(dtype)
     gen = torch.Generator(device="cuda").manual_seed(22)
