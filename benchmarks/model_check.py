@@ -30,8 +30,8 @@ that cannot call FLA's op as the layer does: the float64 oracle, and in ``--dry-
 ``fla-stock`` (FLA's chunk kernels need a GPU: there it runs FLA's ``naive_recurrent_*`` op). It applies the
 activations with the same code as ``enable()`` (`fla_patch.activation_plan` / `apply_activations`, in torch).
 
-KDA's Triton backward has passed the interpreter gates but not run on a GPU yet, so ``enable()`` (backend
-auto) does not route KDA; ``--force-triton`` makes ``enable()`` route every operator that has a Triton backward.
+``enable()`` (backend auto) routes the operators in ``kernels.triton_function.GPU_VERIFIED_OPS`` (all four since
+session 3); ``--force-triton`` makes it route every operator that has a Triton backward, verified or not.
 ``--dry-run`` (CPU) implies it and runs ``rewy-stock`` for real: ``enable()`` with the CUDA-only check lifted, the
 routed backward on the Triton interpreter. The output says which routing was used. Exit status: 0 when every
 check of every model passed, 1 otherwise (2: bad arguments or no GPU).
