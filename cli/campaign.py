@@ -182,12 +182,20 @@ def run_campaign(config, console: Console) -> int:
     campaign.run()
     try:
         with Live(progress_table(campaign), console=console, refresh_per_second=2, transient=False) as live:
+            last_line = time.monotonic()
             while campaign.running():
                 campaign.join(0.5)
                 live.update(progress_table(campaign))
+                if not console.is_terminal and time.monotonic() - last_line > 60:
+                    # a log file gets the live table only at the end: one line a minute, so that a run
+                    # killed from outside still says how far it got
+                    last_line = time.monotonic()
+                    console.print(f"progress: {campaign.throughput()}", highlight=False, soft_wrap=True)
             for st in campaign.states:
                 campaign._refresh(st)
             live.update(progress_table(campaign))
+        campaign.search_s = time.monotonic() - campaign.started
+        console.print("\n" + campaign.throughput(), highlight=False, soft_wrap=True)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]: stopping workers; running trials are re-enqueued "
                       "(continue with --resume)")

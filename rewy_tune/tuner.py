@@ -222,6 +222,10 @@ class Campaign:
         self.workers: list[TrialWorker] = []
         self.on_event = on_event
         self.promotions: list[Any] = []
+        # throughput of the search (what --workers and --compile-jobs buy): schedules gated, trials timed,
+        # rejections; `search_s` is set when the worker loops end
+        self.stats: dict[str, int] = {"gated": 0, "timed": 0, "rejected": 0}
+        self.search_s: float | None = None
         self.errors: list[str] = []
         self._in_flight: dict[int, int] = {}  # id(StudyState) -> trials asked there, not yet settled
         self._ask_lock = threading.Lock()  # one ask at a time over all workers: targets count asked trials
@@ -401,6 +405,15 @@ class Campaign:
             threads.append(th)
         self._threads = threads
 
+    def throughput(self) -> str:
+        """One line: search time and what it produced per minute (compare --workers 1 and 2 with it)."""
+        elapsed = self.search_s if self.search_s is not None else time.monotonic() - self.started
+        g, t, r = self.stats["gated"], self.stats["timed"], self.stats["rejected"]
+        rate = 60.0 / max(elapsed, 1e-9)
+        return (f"search {elapsed:.0f} s, {self.config.workers} worker(s) x {self.config.compile_jobs} gate "
+                f"process(es): {g} schedules gated ({g * rate:.2f}/min), {t} timed ({t * rate:.2f}/min), "
+                f"{r} rejected before compiling")
+
     def running(self) -> bool:
         return any(th.is_alive() for th in getattr(self, "_threads", []))
 
@@ -535,6 +548,7 @@ class Campaign:
         FAIL would be invisible to it: on the H200 29 of 30 asks of a two-worker campaign were rejections,
         the sampler never left the prior."""
         self._record(st, trial, schedule, "constraint", message=reason)
+        self.stats["rejected"] += 1  # under _ask_lock (streaming) or in the only thread (serial)
         trial.set_constraint("limits", float(max(1, reason.count("; ") + 1)))
         st.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         self._done(st)
@@ -571,7 +585,10 @@ class Campaign:
         msg = {"kind": "gate", **pending["task"]}
         if warm:
             msg["warm_shapes"] = [list(x) for x in pending["shapes"]]
-        return gater.request(msg, self.config.trial_timeout_s)
+        out = gater.request(msg, self.config.trial_timeout_s)
+        with self._ask_lock:
+            self.stats["gated"] += 1
+        return out
 
     def _measure_and_tell(self, st: StudyState, pending: dict[str, Any], gate, worker: TrialWorker) -> None:
         from rewy_tune.db import queries
@@ -621,6 +638,7 @@ class Campaign:
                      compile_s=gate.data.get("compile_s"), bench_s=bench_s,
                      message="interpreter timings" if cfg.device.is_cpu else None)
         st.study.tell(trial, value)
+        self.stats["timed"] += 1
         self._done(st)
         if cfg.share_trials:
             self._share(st, trial, pending, gate, worker)

@@ -63,6 +63,12 @@ def test_end_to_end_campaign_show_trials_export_import(tmp_path):
     db = str(tmp_path / "t.db")
     out = cli("--device", "cpu", "--op", "gdn", "--trials", "3", "--db", db, "--seed", "0")
     assert "database:" in out.stdout and "promoted" in out.stdout
+    import re
+
+    # the throughput line (how --workers / --compile-jobs are compared): gated = compiled-and-checked schedules
+    m = re.search(r"search \d+ s, 1 worker\(s\) x 1 gate process\(es\): (\d+) schedules gated .*?(\d+) timed",
+                  out.stdout)
+    assert m and int(m.group(1)) >= 1 and int(m.group(2)) >= 1, out.stdout
     trials = _trials(db)
     assert len(trials) == 2  # the two tiny shapes fall into two T buckets: one study (campaign) each
     for rows in trials.values():
