@@ -374,3 +374,47 @@ def test_every_study_of_a_campaign_has_its_own_sampler_seed(tmp_path, monkeypatc
     finally:
         db.close()
     assert len(states) == 4 and len(set(seeds)) == len(seeds) == 4 and seeds[0] == 7
+
+
+def test_the_time_budget_stops_gates_still_running(tmp_path):
+    """A gate still running when --time-budget is spent is killed (its trial re-enqueued), not waited for:
+    on two H200s the gates ran 165 s past a 380 s budget."""
+    import time
+
+    from rewy_tune import tuner
+    from rewy_tune.cli.campaign import build_config
+    from rewy_tune.db import open_db
+    from rewy_tune.trial_worker import Outcome
+
+    class BlockingGater:
+        def __init__(self):
+            self.killed = threading.Event()
+
+        def request(self, msg, timeout):
+            self.killed.wait(60)
+            return Outcome("runtime_error", "worker process died (exit code -9)")
+
+        def kill(self):
+            self.killed.set()
+
+    config = build_config(device="cpu", op="gdn", policy="R", shapes=None, workload=None, head_dim=32, trials=None,
+                          time_budget="1s", db=str(tmp_path / "k.db"), storage=None, workers=1, resume=False,
+                          trial_timeout=None, seed=0)
+    db = open_db(config.db_url)
+    try:
+        campaign = tuner.Campaign(config, db)
+        campaign.plan()
+        asked, abandoned = [], []
+        campaign._next_task = lambda st: None if asked else asked.append(1) or {
+            "trial": "t", "task": {}, "shapes": [], "schedule": {}}
+        campaign._abandon = lambda st, trial: abandoned.append(trial)
+        campaign._measure_and_tell = lambda *a: pytest.fail("a gate cut short must not be timed")
+        gater = BlockingGater()
+        campaign.started = time.monotonic()
+        t0 = time.monotonic()
+        campaign._stream(worker=None, gaters=[gater])
+        elapsed = time.monotonic() - t0
+    finally:
+        db.close()
+    assert gater.killed.is_set() and abandoned == ["t"] and elapsed < 10, elapsed
+    assert campaign.stats["gated"] == 1
