@@ -348,12 +348,13 @@ def test_a_constraint_rejection_is_an_infeasible_trial_for_tpe():
     study = optuna.create_study(sampler=tuner._sampler(0))
     recorded = []
     obj = types.SimpleNamespace(_record=lambda st, trial, sched, status, message=None: recorded.append(
-        (status, message)), _done=lambda st: None)
+        (status, message)), _done=lambda st: None, stats={"rejected": 0})
     st = types.SimpleNamespace(study=study)
     tuner.Campaign._reject(obj, st, study.ask(), {}, "consumer_cfg: too big; reverse_scan: too big")
     (t,) = study.get_trials()
     assert t.state == optuna.trial.TrialState.PRUNED and t.constraints == {"limits": 2.0}
     assert recorded == [("constraint", "consumer_cfg: too big; reverse_scan: too big")]
+    assert obj.stats == {"rejected": 1}
 
 
 def test_every_study_of_a_campaign_has_its_own_sampler_seed(tmp_path, monkeypatch):
