@@ -6,7 +6,8 @@
 # Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
 # results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA),
-# enumerate (benchmarks/enumerate_space.py: every schedule of a small space timed once), models
+# enumerate (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
+# counters of one backward's local kernels, benchmarks/one_backward.py), models
 # (benchmarks/model_check.py).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
@@ -48,6 +49,16 @@ step_enumerate() {  # the exhaustive table for benchmarks/tpe_convergence.py
   timeout "${ENUM_S:-330}" python3 benchmarks/enumerate_space.py --op "${ENUM_OP:-gdn}" --shape "${ENUM_SHAPE:-1,8192,4}" \
     --jobs "${ENUM_JOBS:-14}" --out "$RES/enum-${ENUM_OP:-gdn}.json" > "$OUT/enumerate.log" 2>&1
   echo "enumerate rc=$?"; tail -20 "$OUT/enumerate.log"
+}
+step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only: gVisor has none, H200.md)
+  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "ncu: not found"; return; }
+  timeout "${NCU_S:-300}" "$ncu" --clock-control none --target-processes all \
+    -k "regex:${NCU_KERNELS:-rewy_bwd_kernel_(dv_local_vector|consumer_vector)}" -c "${NCU_COUNT:-4}" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 benchmarks/one_backward.py --op "${NCU_OP:-kda}" \
+    --shape "${NCU_SHAPE:-1,8192,16}" --reps 2 > "$RES/ncu.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "^  [a-z_]+|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|Stall|Local Memory|==ERR" "$RES/ncu.txt" | head -60
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \
