@@ -11,9 +11,9 @@ dtype, K, V):
 5. ``generic``  the generic built-in schedule.
 
 Winners whose kernel-source hash or compute capability differ from the running code are never used; the
-reason says how many were skipped. `measured_speedup` gives FLA / ours as the chosen winner's promotion measured
-it (None for built-in schedules): `enable()` leaves a call to FLA when it is below 1. Results are cached per process per (bucket, fingerprint): after the
-first call a lookup is one dictionary hit; a lock is taken only on a miss. The database (``REWY_DB`` or
+reason says how many were skipped. `measured_speedup` gives FLA / ours as the chosen winner's promotion
+measured it (None for built-in schedules): `enable()` leaves a call to FLA when it is below 1. Results are
+cached per process per (bucket, fingerprint): after the first call a lookup is one dictionary hit; a lock is taken only on a miss. The database (``REWY_DB`` or
 the default data directory) is opened read-only, never created; a missing or corrupt database gives the
 built-in defaults with one warning, never an exception.
 """
@@ -99,16 +99,7 @@ def lookup(problem: Problem, device: Device | None = None, *, environment: Envir
     exist for tests and tools. The reason starts with exact, nearest, same-cc, default or generic."""
     key = _key(problem, device, environment, db_url)
     hit = _cache.get(key)
-    if hit is not None:
-        return hit
-    with _lock:
-        hit = _cache.get(key)
-        if hit is None:
-            _, dev, env = _fingerprint(device, environment)
-            schedule, reason, speedup = _resolve(problem.bucket(), dev, env, key[-2], db_url)
-            _speedups[key] = speedup
-            hit = _cache[key] = (schedule, reason)
-        return hit
+    return hit if hit is not None else _fill(key, problem, device, environment, db_url)
 
 
 def measured_speedup(problem: Problem, device: Device | None = None, *, environment: Environment | None = None,
@@ -116,8 +107,22 @@ def measured_speedup(problem: Problem, device: Device | None = None, *, environm
     """FLA / ours of the winner `lookup` chooses for `problem`, as its promotion measured it (on this device
     for exact and nearest, on another machine of the same compute capability for same-cc); None for the
     built-in schedules, which carry no measurement."""
-    lookup(problem, device, environment=environment, db_url=db_url)
-    return _speedups.get(_key(problem, device, environment, db_url))
+    key = _key(problem, device, environment, db_url)
+    if key not in _cache:
+        _fill(key, problem, device, environment, db_url)
+    return _speedups[key]
+
+
+def _fill(key: tuple, problem: Problem, device: Device | None, environment: Environment | None,
+          db_url: str | None) -> tuple[Schedule, str]:
+    """The miss path of `lookup`: resolve once under the lock; the speedup is stored beside the entry."""
+    with _lock:
+        hit = _cache.get(key)
+        if hit is None:
+            _, dev, env = _fingerprint(device, environment)
+            schedule, reason, _speedups[key] = _resolve(problem.bucket(), dev, env, key[-2], db_url)
+            hit = _cache[key] = (schedule, reason)
+        return hit
 
 
 def _key(problem: Problem, device: Device | None, environment: Environment | None, db_url: str | None) -> tuple:
