@@ -51,6 +51,14 @@ def apply(base, params: dict):
     return base.replace(**stages, **plain)
 
 
+def value_of(schedule, name: str):
+    """The field a space parameter names ("<stage>.<field>" or a Schedule field)."""
+    obj = schedule
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--op", default="gdn", choices=["deltanet", "gdn"])
@@ -100,8 +108,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a combination that fails is recorded, the table goes on
             row["status"], row["message"] = "runtime_error", f"{type(exc).__name__}: {str(exc)[:200]}"
     bench_s = time.perf_counter() - t1
-    default_params = {n: (getattr(getattr(base, n.split(".")[0]), n.split(".")[1]) if "." in n else getattr(base, n))
-                      for n in names}
+    default_params = {n: value_of(base, n) for n in names}
     table = {
         "op": args.op, "policy": args.policy, "shape": list(shape), "device": torch.cuda.get_device_name(),
         "command": f"python -P benchmarks/enumerate_space.py --op {args.op} --shape {args.shape}",
