@@ -13,9 +13,9 @@ dtype, K, V):
 Winners whose kernel-source hash or compute capability differ from the running code are never used; the
 reason says how many were skipped. `measured_speedup` gives FLA / ours as the chosen winner's promotion
 measured it (None for built-in schedules): `enable()` leaves a call to FLA when it is below 1. Results are
-cached per process per (bucket, fingerprint): after the first call a lookup is one dictionary hit; a lock is taken only on a miss. The database (``REWY_DB`` or
-the default data directory) is opened read-only, never created; a missing or corrupt database gives the
-built-in defaults with one warning, never an exception.
+cached per process per (bucket, fingerprint): after the first call a lookup is one dictionary hit; a lock is
+taken only on a miss. The database (``REWY_DB`` or the default data directory) is opened read-only, never
+created; a missing or corrupt database gives the built-in defaults with one warning, never an exception.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ defining modules and in every loaded module that holds the original function obj
 `from fla.ops import chunk_kda`). `disable()` puts back exactly the objects it replaced.
 
 A call runs the ReWY op (schedule from `dispatch.lookup`) only inside the supported envelope: CUDA
-tensors, an operator whose Triton backward is GPU-verified (`kernels.triton_function.GPU_VERIFIED_OPS`), equal-length
-sequences (no cu_seqlens / context parallel), v heads == q heads (no GVA), K, V in [16, 256], dtype
-bf16/fp16/fp32 (bf16/fp16 only with K, V >= 64: `ops.gpu_unverified_dims`), chunk_size 64. Any other call goes to the original FLA function unchanged; both are counted
-in `report()`. A call whose tuned winner was measured slower than FLA (`dispatch.measured_speedup` < 1, from
-the winner's promotion against FLA) also goes to FLA: enabling rewy-tune must not slow a model down. Set
-``REWY_ALLOW_SLOWER=1`` to route such calls anyway (to measure them); built-in schedules carry no measurement
-and are routed.
+tensors, an operator whose Triton backward is GPU-verified (`kernels.triton_function.GPU_VERIFIED_OPS`),
+equal-length sequences (no cu_seqlens / context parallel), v heads == q heads (no GVA), K, V in [16, 256],
+dtype bf16/fp16/fp32 (bf16/fp16 only with K, V >= 64: `ops.gpu_unverified_dims`), chunk_size 64. Any other
+call goes to the original FLA function unchanged; both are counted in `report()`. A call whose tuned winner
+was measured slower than FLA (`dispatch.measured_speedup` < 1, from the winner's promotion against FLA) also
+goes to FLA: enabling rewy-tune must not slow a model down. Set ``REWY_ALLOW_SLOWER=1`` to route such calls
+anyway (to measure them); built-in schedules carry no measurement and are routed.
 
 FLA's in-kernel activations, which its layers always request, are applied outside the op and the ReWY op runs
 on the activated tensors (`Activations`, `activation_plan`, `apply_activations`):
