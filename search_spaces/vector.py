@@ -281,11 +281,15 @@ def gpu_fault_reasons(schedule: Schedule, K: int, V: int, e: int,
     return reasons
 
 
-# GDN2 on the H200 (K = V = 128): the schedule of the first full H200 campaign (benchmarks/RESULTS.md,
-# session 3) that was best on four of the six benchmark shapes and within 2.6 % / 4.4 % on the others, 1.06-1.40x
-# faster than the scalar-derived default; it passed the tuner's correctness gates on the H200 there. Sequence-
-# split scans with wide state tiles (fewer, longer programs, split 4 / 8 ways along T), a narrow joint consumer.
-GDN2_H200 = {
+# KDA and GDN2 on the H200 (K = V = 128, 16-bit inputs): the schedule of the first full H200 campaign
+# (benchmarks/RESULTS.md, session 3) that was best on four of the six GDN2 benchmark shapes and within 2.6 % / 4.4 %
+# on the others, 1.06-1.40x faster than the scalar-derived default; it passed the tuner's correctness gates on the
+# H200 there. Sequence-split scans with wide state tiles (fewer, longer programs, split 4 / 8 ways along T), a
+# narrow joint consumer. dv_local reads the forward's saved A_qk (session 5): FLA's own backward keeps and reads
+# the same buffer in the input dtype (rewy-math §8.1: A_qk's stored format is FLA's, unchanged), and recomputing
+# it with fp32 FMA products was 1.31 of KDA's 4.88 ms at (1, 8192, 16) (session 3 profile). KDA runs the same
+# kernels as GDN2 (scalar β instead of vector b, w), so it takes the same schedule.
+VECTOR_H200 = {
     "recompute": StageConfig(64, 16, 2, 3),
     "forward_scan": StageConfig(128, 128, 4, 3),
     "dv_local": StageConfig(32, 64, 4, 3),
@@ -294,20 +298,19 @@ GDN2_H200 = {
     "consumer_cfg": StageConfig(16, 128, 8, 2),
     "cumsum": StageConfig(64, 64, 4, 1),
     "state_dtype": "fp32", "consumer": "joint", "pd_dtype": "fp32", "intra": "auto", "intra_precision": "ieee",
-    "forward_scan_segments": 4, "reverse_scan_segments": 8,
+    "forward_scan_segments": 4, "reverse_scan_segments": 8, "dv_local_source": "forward",
 }
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
                      op: str | None = None, dtype: str | None = None) -> Schedule:
     """Built-in schedule for KDA/GDN2: the scalar default (it passes this model), with the vector cumsum's
-    feature tile no wider than K; GDN2 on compute capability 9.0 at K = V = 128 with 16-bit inputs (dtype None:
-    16-bit assumed) has its campaign-measured one (`GDN2_H200`). Its 3-stage, 128-wide scans need 246 784 B of
+    feature tile no wider than K; on compute capability 9.0 at K = V = 128 with 16-bit inputs (dtype None:
+    16-bit assumed) the campaign-measured one (`VECTOR_H200`). Its 3-stage, 128-wide scans need 246 784 B of
     shared memory with fp32 inputs (over the H200's 232 448 B: the H200 fp32 gate tests of session 4), so fp32
-    inputs take the scalar-derived one. KDA keeps the scalar-derived one until a KDA campaign has gated a faster
-    one on a GPU."""
-    if (op == "gdn2" and compute_capability is not None and tuple(compute_capability) == (9, 0) and K == V == 128
-            and dtype in (None, "bf16", "fp16")):
-        return Schedule(**GDN2_H200)
+    inputs take the scalar-derived one."""
+    if (op in ("kda", "gdn2") and compute_capability is not None and tuple(compute_capability) == (9, 0)
+            and K == V == 128 and dtype in (None, "bf16", "fp16")):
+        return Schedule(**VECTOR_H200)
     base = scalar.default_schedule(compute_capability, K=K, V=V)
     return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))})

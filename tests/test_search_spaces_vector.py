@@ -194,7 +194,7 @@ def test_default_passes_its_own_constraint_and_round_trips(cc, KV, op):
     dims = {"K": KV, "V": KV, "dtype": "bf16", "compute_capability": cc or (8, 6)}
     assert vector.constraint(d, dims) == []
     # the default of each 16-bit dtype fits it; fp32 inputs get the scalar-derived default, which passed the
-    # H200 fp32 gates (session 3: GDN2_H200 did not, its fp32 scans need 246 784 B of shared memory; the model's
+    # H200 fp32 gates (session 3: VECTOR_H200 did not, its fp32 scans need 246 784 B of shared memory; the model's
     # fp32 terms are upper bounds, not calibrated, so fp32 is pinned to the GPU-tested schedule rather than to
     # the model)
     for dtype in ("bf16", "fp16"):
@@ -202,7 +202,8 @@ def test_default_passes_its_own_constraint_and_round_trips(cc, KV, op):
         assert vector.constraint(dd, {**dims, "dtype": dtype}) == [], (dtype, op, cc, KV)
         assert search.default_schedule(op, cc, KV, KV, dtype) == dd
     d32 = ss.default_schedule(cc, K=KV, V=KV, op=op, dtype="fp32")
-    assert d32 == ss.default_schedule(cc, K=KV, V=KV, op="kda") == search.default_schedule(op, cc, KV, KV, "fp32")
+    assert d32 == ss.default_schedule(cc, K=KV, V=KV, op="kda", dtype="fp32") == search.default_schedule(
+        op, cc, KV, KV, "fp32")
     assert ss.default_schedule(cc, K=KV, V=KV, op=op) == d
     # flat parameters -> Schedule gives the default back; so does the tuner's params -> suggest replay
     assert vector.schedule_from_params(_flat(d)) == d
@@ -216,14 +217,17 @@ def test_default_passes_its_own_constraint_and_round_trips(cc, KV, op):
 
 
 def test_the_h200_vector_defaults():
-    # KDA: the scalar-derived default; GDN2 at K = V = 128: the campaign-measured schedule (elsewhere the same)
-    for KV in (64, 128, 256):
-        assert vector.default_schedule((9, 0), K=KV, V=KV, op="kda") == scalar.default_schedule((9, 0), K=KV, V=KV)
-    assert vector.default_schedule((9, 0), op="gdn2") == Schedule(**vector.GDN2_H200)
-    assert vector.default_schedule((9, 0), op="gdn2", dtype="bf16") == Schedule(**vector.GDN2_H200)
-    assert vector.default_schedule((9, 0), op="gdn2", dtype="fp32") == scalar.default_schedule((9, 0))
-    assert vector.default_schedule((9, 0), K=64, V=64, op="gdn2") == scalar.default_schedule((9, 0), K=64, V=64)
+    # KDA and GDN2 at K = V = 128 with 16-bit inputs: the campaign-measured schedule, dv_local from the forward's
+    # A_qk; other head dims, fp32 inputs and other GPUs: the scalar-derived one
+    for op in ("kda", "gdn2"):
+        assert vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
+        assert vector.default_schedule((9, 0), op=op, dtype="bf16") == Schedule(**vector.VECTOR_H200)
+        assert vector.default_schedule((9, 0), op=op).dv_local_source == "forward"
+        assert vector.default_schedule((9, 0), op=op, dtype="fp32") == scalar.default_schedule((9, 0))
+        for KV in (64, 256):
+            assert vector.default_schedule((9, 0), K=KV, V=KV, op=op) == scalar.default_schedule((9, 0), K=KV, V=KV)
     assert vector.default_schedule((8, 0), op="gdn2") == vector.default_schedule((8, 0), op="kda")
+    assert vector.default_schedule(None, op="gdn2").dv_local_source == "recompute"
 
 
 def test_every_call_site_asks_for_the_operators_default():
@@ -235,7 +239,7 @@ def test_every_call_site_asks_for_the_operators_default():
     q = torch.zeros(1, 8, 1, 16)
     assert op_of(None, q[..., 0]) == "deltanet" and op_of(q[..., 0], q[..., 0]) == "gdn"
     assert op_of(q, q[..., 0]) == "kda" and op_of(q, q) == "gdn2"
-    assert search.default_schedule("gdn2", (9, 0), 128, 128) == Schedule(**vector.GDN2_H200)
+    assert search.default_schedule("gdn2", (9, 0), 128, 128) == Schedule(**vector.VECTOR_H200)
 
 
 # ----------------------------------------------------------------------------------------------------------
