@@ -2,9 +2,12 @@
 
 For one study: the best few gate-passing (`ok`, complete) trials are re-measured shape by shape, paired
 in one worker process with the baseline (FLA on CUDA; the torch reference on the CPU interpreter) and
-the current winner for the bucket. The best candidate replaces the current winner only when its gain
+the incumbent: the current winner for the bucket, or, without one, the built-in default schedule (what
+the dispatcher runs until a winner exists). The best candidate replaces the incumbent only when its gain
 exceeds the measured run-to-run spread (inter-quartile range over the median, the larger of the two
-sides); without a current winner it is promoted. Interpreter winners are stored under the CPU
+sides). A first campaign always writes a winner: the best trial, or the default itself when no trial beat
+it beyond the spread (the H200 campaign of session 5 promoted trials 1.4x slower than the default, whose own
+trial had not been timed before the budget ended). Interpreter winners are stored under the CPU
 interpreter device and never used for a GPU.
 """
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import optuna
 
+from rewy_tune import search
 from rewy_tune.tuner import geomean, kernel_backend, shape_label
 
 
@@ -94,13 +98,18 @@ def promote(campaign, st, worker) -> PromotionResult:
         numbers[contenders[-1].name] = t.number
         if len(contenders) >= cfg.promote_top:
             break
-    incumbent = None
+    # The incumbent: the current winner, else the built-in default (the schedule calls run without a winner).
     if current_schedule is not None:
-        incumbent = next((c for c in contenders if c.schedule == current_schedule), None)
-        if incumbent is None:
-            incumbent = Contender("current winner", current_schedule)
+        incumbent_schedule, incumbent_name = current_schedule, "current winner"
+    else:
+        incumbent_schedule = search.default_schedule(st.op, cfg.device.compute_capability, cfg.K, cfg.V,
+                                                     cfg.dtype).to_dict()
+        incumbent_name = "built-in default"
+    incumbent = next((c for c in contenders if c.schedule == incumbent_schedule), None)
+    if incumbent is None:
+        incumbent = Contender(incumbent_name, incumbent_schedule)
     reps = max(5, cfg.reps * 2) if cfg.device.is_cpu else 30
-    extra = [incumbent] if incumbent is not None and all(incumbent is not c for c in contenders) else []
+    extra = [incumbent] if all(incumbent is not c for c in contenders) else []
     for c in contenders + extra:
         _measure(campaign, st, worker, c, reps)
     measured = [c for c in contenders if c.failed is None and c.samples]
@@ -114,24 +123,25 @@ def promote(campaign, st, worker) -> PromotionResult:
             baseline_samples.setdefault(label, []).extend(xs)
     baseline_ms = geomean([statistics.median(xs) for xs in baseline_samples.values()]) \
         if baseline_samples and all(baseline_samples.values()) else None
-    if incumbent is not None and incumbent is not best:
-        if incumbent.failed is None and incumbent.samples:
-            gain = incumbent.latency_ms / best.latency_ms - 1
-            noise = max(best.spread, incumbent.spread)
-            if gain <= noise:
-                return PromotionResult(st.label, "kept", f"gain {gain:.1%} within the measured spread {noise:.1%}",
-                                       incumbent.latency_ms, baseline_ms,
-                                       baseline_ms / incumbent.latency_ms if baseline_ms else None,
-                                       None, incumbent.schedule)
-            reason = f"gain {gain:.1%} over the current winner exceeds the spread {noise:.1%}"
+    incumbent_ok = incumbent.failed is None and bool(incumbent.samples)
+    if incumbent is not best and incumbent_ok:
+        gain = incumbent.latency_ms / best.latency_ms - 1
+        noise = max(best.spread, incumbent.spread)
+        if gain <= noise:
+            reason = f"gain {gain:.1%} of trial {numbers.get(best.name)} within the measured spread {noise:.1%}"
+            best = incumbent
         else:
-            reason = f"current winner failed re-measurement ({incumbent.failed})"
+            reason = f"gain {gain:.1%} over the {incumbent_name} exceeds the spread {noise:.1%}"
     elif incumbent is best:
-        return PromotionResult(st.label, "kept", "the current winner re-measured fastest", best.latency_ms,
-                               baseline_ms, baseline_ms / best.latency_ms if baseline_ms else None,
-                               numbers.get(best.name), best.schedule)
+        reason = f"the {incumbent_name} re-measured fastest"
     else:
-        reason = "first winner for this bucket"
+        reason = f"{incumbent_name} failed re-measurement ({incumbent.failed})"
+    if best is incumbent and current_schedule is not None:
+        return PromotionResult(st.label, "kept", reason, best.latency_ms, baseline_ms,
+                               baseline_ms / best.latency_ms if baseline_ms else None,
+                               numbers.get(best.name), best.schedule)
+    if best is incumbent:
+        reason += ": the built-in default becomes the first winner"
     if baseline_ms is None:
         return PromotionResult(st.label, "none", "no baseline timing to compare against")
     with campaign.db.session() as s:

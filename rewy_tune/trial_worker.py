@@ -255,12 +255,13 @@ def _warm_shape(msg: dict[str, Any], shape: tuple[int, int, int]) -> None:
 
 
 def _warm(msg: dict[str, Any]) -> dict[str, Any]:
-    """`warmup.warm`'s request: each shape once, ours and (with_fla) FLA's, untimed."""
+    """`warmup.warm`'s request: each shape once, ours (unless ours=False) and (with_fla) FLA's, untimed."""
     from rewy_tune import fla_baseline, measure
 
     for shape in msg["shapes"]:
         try:
-            _warm_shape(msg, tuple(shape))
+            if msg.get("ours", True):
+                _warm_shape(msg, tuple(shape))
         except Exception as exc:  # noqa: BLE001 - reported with the shape that failed
             return {"status": classify(exc), "message": f"ours B,T,H={shape}: {type(exc).__name__}: {exc}"[:2000]}
         if msg.get("with_fla"):

@@ -1,0 +1,147 @@
+"""Promotion against the built-in default, and the measuring process's FLA warm-up, without GPUs or kernels:
+a real campaign plan on a temporary database, with a stand-in measuring worker whose timings the test sets."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import optuna
+import pytest
+
+from rewy_tune import promotion, search, tuner
+from rewy_tune.cli.campaign import build_config
+from rewy_tune.db import open_db, queries
+from rewy_tune.trial_worker import Outcome
+
+
+class TimedWorker:
+    """Answers `measure` requests with per-schedule samples (ms): `times[json of schedule]`."""
+
+    def __init__(self, times):
+        self.times = times
+        self.requests = []
+
+    def request(self, msg, timeout):
+        self.requests.append(msg)
+        samples = self.times[json.dumps(msg["schedule"], sort_keys=True)]
+        return Outcome("ok", data={"ours_ms": list(samples), "baseline_ms": [1.0] * 30})
+
+
+def _key(schedule: dict) -> str:
+    return json.dumps(schedule, sort_keys=True)
+
+
+@pytest.fixture
+def planned(tmp_path):
+    config = build_config(device="cpu", op="gdn", policy="R", shapes=["1,64,1"], workload=None, head_dim=32,
+                          trials=None, time_budget=None, db=str(tmp_path / "p.db"), storage=None, workers=1,
+                          resume=False, trial_timeout=None, seed=0)
+    db = open_db(config.db_url)
+    campaign = tuner.Campaign(config, db)
+    (st,) = campaign.plan()
+    default = search.default_schedule(st.op, config.device.compute_capability, config.K, config.V,
+                                      config.dtype).to_dict()
+    yield campaign, st, default
+    db.close()
+
+
+def _add_ok_trial(campaign, st, schedule: dict, value: float) -> int:
+    number = len(st.study.get_trials(deepcopy=False))
+    st.study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"status": "ok"}))
+    with campaign.db.session() as s:
+        queries.add_trial(s, st.campaign_id, number=number, schedule=schedule, status="ok",
+                          samples_ms={"B1-T64-H1": [value]})
+    return number
+
+
+def _other(default: dict) -> dict:
+    other = dict(default)
+    other["consumer"] = "separate" if default["consumer"] == "joint" else "joint"
+    return other
+
+
+def _winner(campaign, st):
+    with campaign.db.session() as s:
+        row = queries.winner_for(s, st.bucket, fingerprint=campaign.config.environment.fingerprint(
+            campaign.config.device))
+        return None if row is None else dict(row.schedule)
+
+
+def test_a_trial_slower_than_the_default_never_becomes_the_first_winner(planned):
+    # Two H200s, session 5: trials 1.4x slower than the default were promoted because the default's own trial had
+    # not been timed; the default is now re-measured beside them and wins.
+    campaign, st, default = planned
+    slow = _other(default)
+    _add_ok_trial(campaign, st, slow, 1.4)
+    worker = TimedWorker({_key(slow): [1.4] * 30, _key(default): [1.0] * 30})
+    result = promotion.promote(campaign, st, worker)
+    assert result.decision == "promoted" and "built-in default" in result.reason
+    assert result.schedule == default and _winner(campaign, st) == default
+    assert {_key(r["schedule"]) for r in worker.requests} == {_key(slow), _key(default)}
+
+
+def test_a_trial_faster_than_the_default_beyond_the_spread_is_promoted(planned):
+    campaign, st, default = planned
+    fast = _other(default)
+    number = _add_ok_trial(campaign, st, fast, 0.7)
+    result = promotion.promote(campaign, st, TimedWorker({_key(fast): [0.7] * 30, _key(default): [1.0] * 30}))
+    assert result.decision == "promoted" and result.trial_number == number
+    assert "over the built-in default" in result.reason and _winner(campaign, st) == fast
+
+
+def test_a_gain_within_the_spread_keeps_the_default(planned):
+    campaign, st, default = planned
+    fast = _other(default)
+    _add_ok_trial(campaign, st, fast, 0.99)
+    noisy = [0.9, 1.1] * 15  # inter-quartile range 20 % of the median
+    result = promotion.promote(campaign, st, TimedWorker({_key(fast): [0.99] * 30, _key(default): noisy}))
+    assert result.decision == "promoted" and "within the measured spread" in result.reason
+    assert _winner(campaign, st) == default
+
+
+def test_the_default_among_the_trials_is_measured_once(planned):
+    campaign, st, default = planned
+    _add_ok_trial(campaign, st, default, 1.0)
+    _add_ok_trial(campaign, st, _other(default), 1.2)
+    worker = TimedWorker({_key(default): [1.0] * 30, _key(_other(default)): [1.2] * 30})
+    result = promotion.promote(campaign, st, worker)
+    assert result.schedule == default and "re-measured fastest" in result.reason
+    assert [_key(r["schedule"]) for r in worker.requests].count(_key(default)) == 1
+
+
+def test_a_current_winner_stays_the_incumbent(planned):
+    campaign, st, default = planned
+    other = _other(default)
+    _add_ok_trial(campaign, st, other, 1.0)
+    promotion.promote(campaign, st, TimedWorker({_key(other): [1.0] * 30, _key(default): [2.0] * 30}))
+    assert _winner(campaign, st) == other
+    # a second promotion compares against that winner, not the default: within spread -> kept
+    _add_ok_trial(campaign, st, default, 0.99)
+    result = promotion.promote(campaign, st, TimedWorker({_key(other): [0.9, 1.1] * 15, _key(default): [0.99] * 30}))
+    assert result.decision == "kept" and _winner(campaign, st) == other
+
+
+def test_the_measuring_process_warms_fla_for_every_shape_before_timing():
+    # FLA's autotuning ran when the first gated trial reached the measuring process (148 s there on two H200s);
+    # now one warm request per operator and policy, all of its buckets' shapes, FLA only, before any timing.
+    sent = []
+    worker = types.SimpleNamespace(request=lambda msg, timeout: sent.append(msg) or Outcome("ok"))
+    config = types.SimpleNamespace(K=128, V=128, device_kind="cuda", trial_timeout_s=600)
+    states = [types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 512, 4), (1, 2048, 4)]),
+              types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 2048, 16)]),
+              types.SimpleNamespace(op="kda", policy="A", shapes=[(1, 512, 4)])]
+    import threading
+
+    obj = types.SimpleNamespace(config=config, states=states, stop=threading.Event(), _budget_left=lambda: True)
+    tuner.Campaign._warm_baselines(obj, worker)
+    assert [(m["kind"], m["op"], m["policy"], m["ours"], m["with_fla"]) for m in sent] == [
+        ("warm", "gdn2", "R", False, True), ("warm", "kda", "A", False, True)]
+    assert sent[0]["shapes"] == [[1, 512, 4], [1, 2048, 4], [1, 2048, 16]]
+
+
+def test_a_fla_only_warm_request_compiles_none_of_ours(monkeypatch):
+    from rewy_tune import trial_worker
+
+    monkeypatch.setattr(trial_worker, "_warm_shape", lambda *a: pytest.fail("ours must not run"))
+    assert trial_worker._warm({"shapes": [[1, 64, 1]], "ours": False, "with_fla": False}) == {"status": "ok"}
