@@ -186,7 +186,34 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     reasons += resource_reasons(shared_memory_estimate(schedule, K, V, e), register_estimate(schedule, K, V),
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)
+    reasons += recompute_fault_reasons(schedule, e, compute_capability_of(problem_dims))
     return reasons
+
+
+# A Triton 3.6 miscompile on the H200 (sm_90, 16-bit inputs): the recompute stage with block_k = 128 and 4 warps
+# returns a right W and a wrong U (relative error 1.1-1.2: tests/kernels/test_triton_shared_stages.py
+# test_gpu_wrong_h200_schedule_stage, session 5, with block_v 16 / 1 stage and 32 / 2 stages; both right on the
+# interpreter). Every wrong-gradient schedule the H200 campaigns gated (sessions 3, 4, 5: dq, dk, dg, db wrong,
+# o, ht, dv, dw, dh0 right, which a wrong U gives through R and S0) had exactly this stage configuration, and six
+# session-3 trials with block_k = 128 and 8 warps passed. Rejected before compiling for 16-bit inputs on compute
+# capability 9.x, for every operator (the stage is shared); other GPUs and fp32 inputs compile other paths.
+H200_RECOMPUTE_FAULT = ("Triton 3.6 on sm_90 computes a wrong U there (H200 stage test, session 5; every wrong H200 "
+                        "campaign schedule of sessions 3-5)")
+
+
+def compute_capability_of(problem_dims: Any) -> tuple[int, int] | None:
+    cc = problem_dims.get("compute_capability") if isinstance(problem_dims, Mapping) else \
+        getattr(problem_dims, "compute_capability", None)
+    return tuple(cc) if cc is not None else None
+
+
+def recompute_fault_reasons(schedule: Schedule, e: int, compute_capability: tuple[int, int] | None) -> list[str]:
+    """The recompute stage configuration that miscompiles on compute capability 9.x with 16-bit inputs (e = 2)."""
+    r = schedule.recompute
+    if e == 2 and compute_capability is not None and compute_capability[0] == 9 and r.block_k == 128 \
+            and r.num_warps == 4:
+        return [f"recompute.block_k=128 with 4 warps and 16-bit inputs: {H200_RECOMPUTE_FAULT}"]
+    return []
 
 
 def resource_reasons(shared: dict[str, int], registers: dict[str, float], smem_limit: int) -> list[str]:

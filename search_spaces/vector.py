@@ -41,7 +41,6 @@ for 2 warps (up to 1.8× for the consumer, whose 2-warp layouts the register est
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from rewy_tune.schedule import Schedule, StageConfig
@@ -50,6 +49,8 @@ from rewy_tune.search_spaces.scalar import (
     _dims,
     _pow2_ceil,
     _tiles_for,
+    compute_capability_of,
+    recompute_fault_reasons,
     resource_reasons,
     schedule_from_params,
     segment_reasons,
@@ -235,50 +236,23 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     reasons += resource_reasons(shared_memory_estimate(schedule, K, V, e), register_estimate(schedule, K, V),
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)
-    reasons += gpu_fault_reasons(schedule, K, V, e, _compute_capability(problem_dims))
+    reasons += gpu_fault_reasons(schedule, K, V, e, compute_capability_of(problem_dims))
     return reasons
 
 
-def _compute_capability(problem_dims: Any) -> tuple[int, int] | None:
-    cc = problem_dims.get("compute_capability") if isinstance(problem_dims, Mapping) else \
-        getattr(problem_dims, "compute_capability", None)
-    return tuple(cc) if cc is not None else None
-
-
-# The H200 gdn2 campaign of session 3 (benchmarks/results/h200-campaign-gdn2-session3.db, trial 1 of campaigns 1-4,
-# bf16, K = V = 128, gate case "tail-h0") computed wrong dq, dk, dg, db (rel-RMS 0.8-1.1) with right o, ht, dv, dw,
-# dh0 for one schedule. The same schedule is right on the Triton interpreter (tests/kernels/test_triton_vector.py
-# test_h200_incorrect_schedule_is_right_on_the_interpreter), so the fault is in the GPU compile of one of its
-# stages, not found without a GPU. What the outputs clear: dv = w ⊙ P and dh0 are right, so P, R̄, dS chain,
-# dv_local, the reverse scan and the forward cumsum are; recompute's 128 / 16 / 4-warp / 1-stage fields each passed
-# the H200 gates in other session-3 schedules. Left: the two stage configurations no gated H200 schedule has had:
-# - the forward scan at block_v = 32 < V (R, S0). Zeroing R in an interpreter run of the same case reproduces the
-#   signature: dq 0.86, dk 1.00, dg 0.95, db 0.95 (S0 alone moves dk by only 0.05-0.15);
-# - the 4-warp consumer at block_k = 16 over one V tile, separate, tf32x3 intra (its 8-warp twin passed).
-# Both are rejected for 16-bit inputs on compute capability 9.x (not when problem_dims names none).
-# Session 4 ran tests/kernels/test_triton_vector.py::test_gpu_h200_incorrect_schedule_bisect on the H200: the
-# failing schedule still fails with forward_scan.block_v = 16, with an 8-warp consumer and with a joint consumer
-# (each variant changes one suspect), so neither suspect alone explains it; the fault is elsewhere or in more
-# than one stage. The rejections stay (cheap, conservative) and the tuner's gates catch the rest.
-H200_FAULT = ("H200 gdn2 campaign session 3 (trial 1, tail-h0): wrong dq/dk/dg/db, rel-RMS 0.8-1.1, right on the "
-              "interpreter; unverified GPU suspect")
-
-
+# Wrong gradients on the H200 (16-bit inputs, sm_90). Session 3's campaign gated one schedule wrong (dq, dk, dg, db
+# rel-RMS 0.8-1.1; o, ht, dv, dw, dh0 right) that is right on the interpreter; sessions 4 and 5 gated three more
+# with the same signature. Two suspects were rejected meanwhile (forward scan at block_v = 32 < V; a 4-warp
+# separate tf32x3 consumer at block_k = 16); the session-4 bisection showed neither explains it, and the session-5
+# stage test (tests/kernels/test_triton_shared_stages.py -k wrong_h200) found the stage: the recompute at
+# block_k = 128 with 4 warps gives a wrong U (the forward scan at block_v = 32 passed there). All four wrong
+# schedules share that recompute configuration, so it alone is rejected now (`scalar.recompute_fault_reasons`,
+# every operator), and the two suspects are back in the space (the gates still check every trial).
 def gpu_fault_reasons(schedule: Schedule, K: int, V: int, e: int,
                       compute_capability: tuple[int, int] | None = (9, 0)) -> list[str]:
-    """Stage configurations that gave wrong gradients on a GPU and are not yet cleared: 16-bit inputs on
-    compute capability 9.x (wgmma tiles; other GPUs compile other tensor-core paths and are not implicated)."""
-    if e != 2 or compute_capability is None or compute_capability[0] != 9:
-        return []
-    reasons = []
-    if schedule.forward_scan.block_v == 32 < V:
-        reasons.append(f"forward_scan.block_v=32 with 16-bit inputs: {H200_FAULT}")
-    cc = schedule.consumer_cfg
-    if (cc.block_k == SUBCHUNK_ROWS and cc.num_warps == 4 and cc.block_v >= V and schedule.consumer == "separate"
-            and schedule.intra_precision == "tf32x3"):
-        reasons.append(f"consumer_cfg block_k={cc.block_k}, one V tile, 4 warps, separate, tf32x3 with 16-bit "
-                       f"inputs: {H200_FAULT}")
-    return reasons
+    """Stage configurations that gave wrong gradients on a GPU: 16-bit inputs on compute capability 9.x (wgmma
+    tiles; other GPUs compile other tensor-core paths and are not implicated)."""
+    return recompute_fault_reasons(schedule, e, compute_capability)
 
 
 # KDA and GDN2 on the H200 (K = V = 128, 16-bit inputs): the schedule of the first full H200 campaign

@@ -377,6 +377,12 @@ def test_constraint_rejects_segments_whose_combine_kernel_cannot_fit():
 # session 4, the two-worker campaign's only gated trial): both right on the interpreter, both with right dv, dw,
 # dh0, which points at the recompute (U) or the forward scan (S0, R). Each configuration alone, on the GPU, at
 # the gate case's shape (T = 484: a 36-row tail; initial state; vector gate; bf16 with bf16 states).
+# Session 5 on the H200: the two recompute configurations (block_k = 128, 4 warps) give a right W and a wrong U
+# (relative error 1.1 and 1.2), every other configuration passes. A Triton 3.6 miscompile (the kernel is right on
+# the interpreter and with 8 warps): the constraint rejects it (search_spaces/scalar.py recompute_fault_reasons);
+# strict xfail here says when a Triton upgrade fixes it.
+MISCOMPILED_ON_H200 = pytest.mark.xfail(strict=True, reason="Triton 3.6 sm_90: recompute block_k=128, 4 warps gives a "
+                                                            "wrong U (rejected by the search-space constraint)")
 WRONG_H200_STAGES = [
     ("recompute", {"BK": 128, "BV": 16, "num_warps": 4, "num_stages": 1}),
     ("recompute", {"BK": 128, "BV": 32, "num_warps": 4, "num_stages": 2}),
@@ -393,8 +399,10 @@ WRONG_H200_STAGES = [
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
                     reason="needs a CUDA GPU and REWY_TEST_NO_INTERPRET=1 (compiled Triton)")
-@pytest.mark.parametrize("stage,cfg", WRONG_H200_STAGES,
-                         ids=[f"{s}-" + "-".join(f"{k}{v}" for k, v in c.items()) for s, c in WRONG_H200_STAGES])
+@pytest.mark.parametrize("stage,cfg", [
+    pytest.param(s, c, id=f"{s}-" + "-".join(f"{k}{v}" for k, v in c.items()),
+                 marks=[MISCOMPILED_ON_H200] if s == "recompute" else [])
+    for s, c in WRONG_H200_STAGES])
 def test_gpu_wrong_h200_schedule_stage(stage, cfg):
     B, T, H, K, V, C, dtype = 1, 484, 4, 128, 128, 64, torch.bfloat16
     s = as_input(make_system(B, T, H, K, V, C, "vector", vec_erase=True, seed=21, device="cuda"), dtype)

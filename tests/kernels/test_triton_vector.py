@@ -316,9 +316,9 @@ H200_SESSION3_WRONG = {
 
 def test_h200_incorrect_schedule_is_right_on_the_interpreter():
     # The kernels themselves are right for this schedule at its head dims (two chunks, 36-row tail, initial state,
-    # two reverse-scan segments): the H200 fault is in a GPU compile, so search_spaces/vector.py
-    # (gpu_fault_reasons) keeps its uncleared suspects out of 16-bit sm_90 searches until the GPU test below says
-    # which stage it is.
+    # two reverse-scan segments): the H200 fault is in a GPU compile. Session 5 found the stage on the H200 (the
+    # recompute at block_k = 128 with 4 warps: tests/kernels/test_triton_shared_stages.py -k wrong_h200), which
+    # search_spaces/scalar.py recompute_fault_reasons keeps out of 16-bit sm_90 searches.
     x = make_inputs("gdn2", 1, 100, 1, 128, 128, seed=53)
     paths = {}
     out = run_triton(x, Schedule.from_dict(H200_SESSION3_WRONG), "R", paths)
@@ -642,10 +642,12 @@ def test_gpu_dv_local_source_forward_fla(op, policy):
 
 
 # One-command bisection on an H200 (pytest -m gpu -rxX -k h200_incorrect): the failing schedule and one variant per
-# uncleared suspect (search_spaces/vector.py gpu_fault_reasons), through the tuner's own tail-h0 gate. XPASS marks a
-# variant that the H200 gates right: its changed field was the fault; lift the other rejection.
+# suspect, through the tuner's own tail-h0 gate. XPASS marks a variant that the H200 gates right: its changed field
+# was the fault. Session 4: the first three variants still failed. Session 5's stage test named the recompute at
+# block_k = 128 with 4 warps (now the only rejection); its 8-warp variant is expected to XPASS.
 H200_SUSPECT_VARIANTS = {
     "as-failed": {},
+    "recompute.num_warps=8": {"recompute": {"num_warps": 8}},
     "forward_scan.block_v=16": {"forward_scan": {"block_v": 16}},
     "consumer_cfg.num_warps=8": {"consumer_cfg": {"num_warps": 8}},
     "consumer=joint": {"consumer": "joint"},
