@@ -112,6 +112,14 @@ def run_bench(op: str, policy: str, schedule, shapes, K: int, V: int, rounds: in
     }
 
 
+def json_path(json_out: str, op: str, policy: str, many: bool) -> str:
+    """Where --json puts one run: a directory (several runs, or an existing directory) holds
+    bench-OP-POLICY.json; otherwise the path itself is the file."""
+    if many or Path(json_out).is_dir():
+        return str(Path(json_out) / f"bench-{op}-{policy}.json")
+    return json_out
+
+
 def write_json(path: str, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=1))
 
@@ -152,7 +160,7 @@ def run_many(runs, shapes, K: int, V: int, rounds: int, seed: int, jobs: int | N
             continue
         summary.append((op, policy, data["geomean_speedup"]))
         if json_out:
-            path = str(Path(json_out) / f"bench-{op}-{policy}.json") if many else json_out
+            path = json_path(json_out, op, policy, many)
             write_json(path, data)
             console.print(f"wrote {path}")
     if many:

@@ -98,7 +98,7 @@ def bench(
     rounds: int = typer.Option(30, help="interleaved observations per side (>= 30)"),
     seed: int = typer.Option(0),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes that compile ahead in parallel before timing (default: min(8, cores/2); 1: none)"),
-    json_out: Optional[str] = typer.Option(None, "--json", help="write every sample to this JSON file (several operators/policies: a directory of bench-OP-POLICY.json)"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write every sample to this JSON file (several operators/policies, or an existing directory: bench-OP-POLICY.json in that directory)"),
 ) -> None:
     """Time our complete backward against FLA's in one process (CUDA graphs, interleaved rounds)."""
     import torch

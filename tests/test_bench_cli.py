@@ -107,3 +107,13 @@ def test_bench_many_runs_compiles_ahead_then_writes_one_json_each(tmp_path, monk
     written = sorted(p.name for p in out.iterdir())
     assert written == sorted(f"bench-{o}-{p}.json" for o in ("deltanet", "gdn", "gdn2") for p in ("R", "A"))
     assert json.loads((out / "bench-gdn2-A.json").read_text())["K"] == 64
+
+
+def test_json_into_an_existing_directory(tmp_path):
+    # The H200 run of session 5 lost `bench --op gdn2 --policy A --json results/bench` (IsADirectoryError) because
+    # an earlier run had made that directory: one run writes into an existing directory as several runs do.
+    from rewy_tune.cli.bench import json_path
+
+    assert json_path(str(tmp_path), "gdn2", "A", many=False) == str(tmp_path / "bench-gdn2-A.json")
+    assert json_path(str(tmp_path / "out.json"), "gdn2", "A", many=False) == str(tmp_path / "out.json")
+    assert json_path(str(tmp_path / "new"), "kda", "R", many=True) == str(tmp_path / "new" / "bench-kda-R.json")
