@@ -141,7 +141,7 @@ def promote(campaign, st, worker) -> PromotionResult:
                                baseline_ms / best.latency_ms if baseline_ms else None,
                                numbers.get(best.name), best.schedule)
     if best is incumbent:
-        reason += ": the built-in default becomes the first winner"
+        reason += "; it becomes the first winner"
     if baseline_ms is None:
         return PromotionResult(st.label, "none", "no baseline timing to compare against")
     with campaign.db.session() as s:
