@@ -128,7 +128,9 @@ def promote(campaign, st, worker) -> PromotionResult:
         gain = incumbent.latency_ms / best.latency_ms - 1
         noise = max(best.spread, incumbent.spread)
         if gain <= noise:
-            reason = f"gain {gain:.1%} of trial {numbers.get(best.name)} within the measured spread {noise:.1%}"
+            trial = f"trial {numbers.get(best.name)}"
+            reason = (f"{trial} is {-gain:.1%} slower than the {incumbent_name}" if gain <= 0 else
+                      f"gain {gain:.1%} of {trial} within the measured spread {noise:.1%}")
             best = incumbent
         else:
             reason = f"gain {gain:.1%} over the {incumbent_name} exceeds the spread {noise:.1%}"
@@ -141,7 +143,7 @@ def promote(campaign, st, worker) -> PromotionResult:
                                baseline_ms / best.latency_ms if baseline_ms else None,
                                numbers.get(best.name), best.schedule)
     if best is incumbent:
-        reason += "; it becomes the first winner"
+        reason += "; the built-in default becomes the first winner"
     if baseline_ms is None:
         return PromotionResult(st.label, "none", "no baseline timing to compare against")
     with campaign.db.session() as s:
