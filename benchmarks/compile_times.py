@@ -9,6 +9,13 @@ launches that one backward of an operator makes with a given schedule:
    cache and prints the CPU seconds per kernel (ptxas included; wall time depends on the machine's load).
 
     python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
+                                       [--dtype bf16|fp32] [--gate]
+
+--gate records what one GPU trial of the tuner compiles instead: the gate's validation cases
+(`trial_worker.validation_cases`) and the warm-up at a workload shape (no initial state, as the benchmark).
+bf16 (default) records the launches a bf16 GPU run makes: the interpreter's "upcast" dot precision is compiled
+as the GPU's "tf32" (16-bit operands on tensor cores); fp32 compiles exact-fp32 FMA products, several times
+slower to compile for the scans.
 """
 
 from __future__ import annotations
@@ -59,9 +66,21 @@ def _record(args) -> list[dict]:
             if name.startswith("rewy_") and name.endswith("_kernel") or name.startswith("rewy_bwd_kernel"):
                 setattr(mod, name, Recorder(m, name, obj))
     sched = Schedule.from_json(open(args.schedule).read()) if args.schedule else \
-        default_schedule(args.op, (9, 0), args.head_dim, args.head_dim)
+        default_schedule(args.op, (9, 0), args.head_dim, args.head_dim, args.dtype)
+    if args.gate:
+        from dataclasses import replace
+
+        from rewy_tune import trial_worker
+
+        runner = gates.op_runner(backend="triton", schedule=sched)
+        cases = [replace(c, H=1, dtype=args.dtype)  # H is a run-time argument: one head records the same launches
+                 for c in trial_worker.validation_cases(args.op, args.policy, args.head_dim, args.head_dim, "cuda")]
+        cases.append(replace(cases[0], T=512, initial_state=False, final_grad=False, label="warm"))
+        for i, c in enumerate(cases):
+            runner(c, gates.make_inputs(c, i, "cpu"))
+        return launches
     case = gates.GateCase(op=args.op, policy=args.policy, B=1, T=128, H=args.H, K=args.head_dim, V=args.head_dim,
-                          dtype="fp32")
+                          dtype=args.dtype)
     inputs = gates.make_inputs(case, 0, "cpu")
     names = gates.arg_names(args.op)
     leaves = [inputs[n].clone().requires_grad_(True) for n in names]
@@ -75,9 +94,9 @@ def _kind(x):
     import torch
 
     if isinstance(x, torch.Tensor):
-        # the real launch has bf16 inputs: fp32 tensors that hold inputs on the CPU run stay fp32 here,
-        # which changes only the dot precision, not the kernel's structure
         return ("ptr", TORCH_TO_TRITON[str(x.dtype)])
+    if x == "upcast":  # the interpreter's stand-in for 16-bit tensor-core products (recompute.dot_precision)
+        return ("const", "tf32")
     if x is None:
         return ("none", None)
     if isinstance(x, bool):
@@ -148,6 +167,8 @@ def main() -> None:
     ap.add_argument("--schedule", help="Schedule JSON file (default: the operator's sm_90 default)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--gate", action="store_true", help="what one GPU trial compiles: gate cases and warm-up")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -155,8 +176,10 @@ def main() -> None:
         pickle.dump(_record(args), open(args._file, "wb"))
         return
     if args._stage == "compile":
-        for name, s, shared, opts in _compile(pickle.load(open(args._file, "rb"))):
+        out = _compile(pickle.load(open(args._file, "rb")))
+        for name, s, shared, opts in out:
             print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {opts}")
+        print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")
         return
     with tempfile.TemporaryDirectory() as tmp:
         f = os.path.join(tmp, "launches.pkl")
