@@ -229,6 +229,7 @@ class Campaign:
         self.errors: list[str] = []
         self._in_flight: dict[int, int] = {}  # id(StudyState) -> trials asked there, not yet settled
         self._ask_lock = threading.Lock()  # one ask at a time over all workers: targets count asked trials
+        self._warm_lock = threading.Lock()  # worker slots warm the machine's caches one after the other
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self) -> list[StudyState]:
@@ -493,11 +494,11 @@ class Campaign:
             finally:
                 done.put(None)
 
+        if self.config.device_kind == "cuda":
+            self._warm_machine(worker)
         feeders = [threading.Thread(target=feed, args=(g,), daemon=True) for g in gaters]
         for th in feeders:
             th.start()
-        if self.config.device_kind == "cuda":
-            self._warm_baselines(worker)
         finished, cut = 0, False
         while finished < len(feeders):
             try:
@@ -521,21 +522,45 @@ class Campaign:
                 with ask_lock:
                     self._in_flight[id(item[0])] -= 1
 
+    def _warm_machine(self, worker: TrialWorker) -> None:
+        """Before the gate processes start (CUDA): compile and autotune what every process of the campaign needs,
+        once, with the cores to this process, into Triton's on-disk caches (kernels, and autotuning results:
+        TRITON_CACHE_AUTOTUNING=1 in the workers). That is fla-core's forward at the gate shapes and our
+        default pipeline (the gate of the built-in default, the first trial anyway), then FLA's forward and
+        backward at the workload shapes (`_warm_baselines`). On two H200s (session 5) sixteen gate processes
+        and two measuring processes each autotuned fla-core's kernels at the same time: the first gates took
+        ~150 s (the pipeline itself compiles in ~45 CPU s) and timing began only at minute 5.4. Worker slots
+        take turns, so the second finds everything cached. Outcomes are not recorded: the trials themselves
+        are gated and timed as usual."""
+        cfg = self.config
+        with self._warm_lock:
+            for op, policy in self._groups():
+                if self.stop.is_set() or not self._budget_left():
+                    return
+                default = search.default_schedule(op, cfg.device.compute_capability, cfg.K, cfg.V, cfg.dtype)
+                worker.request(dict(kind="gate", op=op, policy=policy, K=cfg.K, V=cfg.V, schedule=default.to_dict(),
+                                    fault="none", device=cfg.device_kind, backend=kernel_backend(), seed=0,
+                                    reps=cfg.reps), cfg.trial_timeout_s)
+            self._warm_baselines(worker)
+
+    def _groups(self) -> dict[tuple[str, str], list[tuple[int, ...]]]:
+        """(operator, policy) -> every workload shape of its buckets."""
+        groups: dict[tuple[str, str], set[tuple[int, ...]]] = {}
+        for st in self.states:
+            groups.setdefault((st.op, st.policy), set()).update(tuple(x) for x in st.shapes)
+        return {key: sorted(shapes) for key, shapes in groups.items()}
+
     def _warm_baselines(self, worker: TrialWorker) -> None:
         """FLA autotunes at its first call for each shape. In the measuring process that happened when the first
         gated trial arrived, with every core busy compiling: on two H200s (session 5) the first timing took
         148 s and a later one 37 s, and 36 of 38 gated schedules were still waiting at the end of the budget.
-        Done here, while the gate processes compile their first trials (~140 s), it costs no trial time. A
-        failure is left to the measurements to report."""
+        A failure is left to the measurements to report."""
         cfg = self.config
-        groups: dict[tuple[str, str], set[tuple[int, ...]]] = {}
-        for st in self.states:
-            groups.setdefault((st.op, st.policy), set()).update(tuple(x) for x in st.shapes)
-        for (op, policy), shapes in groups.items():
+        for (op, policy), shapes in self._groups().items():
             if self.stop.is_set() or not self._budget_left():
                 return
             worker.request(dict(kind="warm", op=op, policy=policy, K=cfg.K, V=cfg.V, device=cfg.device_kind,
-                                shapes=[list(x) for x in sorted(shapes)], ours=False, with_fla=True),
+                                shapes=[list(x) for x in shapes], ours=False, with_fla=True),
                            cfg.trial_timeout_s)
 
     def _settle(self, st: StudyState, pending: dict[str, Any], gate, worker: TrialWorker) -> None:

@@ -122,22 +122,75 @@ def test_a_current_winner_stays_the_incumbent(planned):
     assert result.decision == "kept" and _winner(campaign, st) == other
 
 
+def _warm_stub(sent, lock=None):
+    import threading
+
+    worker = types.SimpleNamespace(request=lambda msg, timeout: sent.append(msg) or Outcome("ok"))
+    device = types.SimpleNamespace(compute_capability=(9, 0))
+    config = types.SimpleNamespace(K=128, V=128, device_kind="cuda", trial_timeout_s=600, device=device,
+                                   dtype="bf16", reps=3)
+    states = [types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 512, 4), (1, 2048, 4)]),
+              types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 2048, 16)]),
+              types.SimpleNamespace(op="kda", policy="A", shapes=[(1, 512, 4)])]
+    obj = types.SimpleNamespace(config=config, states=states, stop=threading.Event(), _budget_left=lambda: True,
+                                _warm_lock=lock or threading.Lock())
+    obj._groups = lambda: tuner.Campaign._groups(obj)
+    obj._warm_baselines = lambda w: tuner.Campaign._warm_baselines(obj, w)
+    return obj, worker
+
+
 def test_the_measuring_process_warms_fla_for_every_shape_before_timing():
     # FLA's autotuning ran when the first gated trial reached the measuring process (148 s there on two H200s);
     # now one warm request per operator and policy, all of its buckets' shapes, FLA only, before any timing.
     sent = []
-    worker = types.SimpleNamespace(request=lambda msg, timeout: sent.append(msg) or Outcome("ok"))
-    config = types.SimpleNamespace(K=128, V=128, device_kind="cuda", trial_timeout_s=600)
-    states = [types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 512, 4), (1, 2048, 4)]),
-              types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 2048, 16)]),
-              types.SimpleNamespace(op="kda", policy="A", shapes=[(1, 512, 4)])]
-    import threading
-
-    obj = types.SimpleNamespace(config=config, states=states, stop=threading.Event(), _budget_left=lambda: True)
+    obj, worker = _warm_stub(sent)
     tuner.Campaign._warm_baselines(obj, worker)
     assert [(m["kind"], m["op"], m["policy"], m["ours"], m["with_fla"]) for m in sent] == [
         ("warm", "gdn2", "R", False, True), ("warm", "kda", "A", False, True)]
     assert sent[0]["shapes"] == [[1, 512, 4], [1, 2048, 4], [1, 2048, 16]]
+
+
+def test_the_machine_is_warmed_before_any_gate_process_starts():
+    # Sixteen gate processes each autotuned fla-core's kernels at once on two H200s (first gates ~150 s). The
+    # measuring process first gates the built-in default of each operator and policy (fla-core's forward at the
+    # gate shapes, our default pipeline) and warms FLA at the workload shapes; only then do the gates start.
+    sent = []
+    obj, worker = _warm_stub(sent)
+    tuner.Campaign._warm_machine(obj, worker)
+    assert [(m["kind"], m["op"], m["policy"]) for m in sent] == [
+        ("gate", "gdn2", "R"), ("gate", "kda", "A"), ("warm", "gdn2", "R"), ("warm", "kda", "A")]
+    assert sent[0]["schedule"] == search.default_schedule("gdn2", (9, 0), 128, 128, "bf16").to_dict()
+    assert sent[1]["schedule"] == search.default_schedule("kda", (9, 0), 128, 128, "bf16").to_dict()
+
+
+def test_stream_warms_before_the_gate_processes_ask(tmp_path):
+    config = build_config(device="cpu", op="gdn", policy="R", shapes=None, workload=None, head_dim=32, trials=None,
+                          time_budget=None, db=str(tmp_path / "w.db"), storage=None, workers=1, resume=False,
+                          trial_timeout=None, seed=0)
+    db = open_db(config.db_url)
+    try:
+        campaign = tuner.Campaign(config, db)
+        campaign.plan()
+        order = []
+        campaign._warm_machine = lambda w: order.append("warm")
+        campaign._next_study = lambda: order.append("ask") or None  # nothing to ask: the gate loops end
+        campaign.config = _CudaConfig(config)
+        campaign._stream(worker=types.SimpleNamespace(), gaters=[types.SimpleNamespace(), types.SimpleNamespace()])
+    finally:
+        db.close()
+    assert order[0] == "warm" and order.count("warm") == 1 and "ask" in order
+
+
+class _CudaConfig:
+    """The CPU campaign's config, reporting a CUDA device (what _stream branches on)."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+    device_kind = "cuda"
 
 
 def test_a_fla_only_warm_request_compiles_none_of_ours(monkeypatch):
