@@ -19,8 +19,7 @@ from typing import Any
 
 import optuna
 
-from rewy_tune import search
-from rewy_tune.tuner import geomean, kernel_backend, shape_label
+from rewy_tune.tuner import geomean, shape_label
 
 
 @dataclass
@@ -62,9 +61,8 @@ class PromotionResult:
 def _measure(campaign, st, worker, c: Contender, reps: int) -> None:
     cfg = campaign.config
     for shape in st.shapes:
-        msg = dict(kind="measure", op=st.op, policy=st.policy, K=cfg.K, V=cfg.V, schedule=c.schedule,
-                   fault="none", device=cfg.device_kind, backend=kernel_backend(), seed=0, reps=reps,
-                   rounds=30, shape=list(shape))
+        msg = {**campaign.task(st.op, st.policy, c.schedule, seed=0), "kind": "measure", "reps": reps, "rounds": 30,
+               "shape": list(shape)}
         out = worker.request(msg, cfg.trial_timeout_s)
         if out.status != "ok":
             c.failed = f"{shape_label(shape)}: {out.status}: {out.message}"
@@ -102,8 +100,7 @@ def promote(campaign, st, worker) -> PromotionResult:
     if current_schedule is not None:
         incumbent_schedule, incumbent_name = current_schedule, "current winner"
     else:
-        incumbent_schedule = search.default_schedule(st.op, cfg.device.compute_capability, cfg.K, cfg.V,
-                                                     cfg.dtype).to_dict()
+        incumbent_schedule = campaign.default_schedule(st.op).to_dict()
         incumbent_name = "built-in default"
     incumbent = next((c for c in contenders if c.schedule == incumbent_schedule), None)
     if incumbent is None:

@@ -286,13 +286,25 @@ class Campaign:
         cfg = self.config
         return dict(op=op, K=cfg.K, V=cfg.V, interpreter=cfg.device.is_cpu)
 
+    def default_schedule(self, op: str) -> Schedule:
+        """The built-in schedule calls run without a winner: this device, head dims and input dtype."""
+        cfg = self.config
+        return search.default_schedule(op, cfg.device.compute_capability, cfg.K, cfg.V, cfg.dtype)
+
+    def task(self, op: str, policy: str, schedule: dict[str, Any], *, seed: int, fault: str = "none"
+             ) -> dict[str, Any]:
+        """The fields of a worker request (gate, measure) for one schedule of this campaign."""
+        cfg = self.config
+        return dict(op=op, policy=policy, K=cfg.K, V=cfg.V, schedule=schedule, fault=fault, device=cfg.device_kind,
+                    backend=kernel_backend(), seed=seed, reps=cfg.reps)
+
     def _seed(self, st: StudyState) -> None:
         """Enqueue the default schedule and the winners known for the same compute capability."""
         from rewy_tune.db import queries
 
         cfg = self.config
         cc = cfg.device.compute_capability
-        seeds: list[Schedule] = [search.default_schedule(st.op, cc, cfg.K, cfg.V, cfg.dtype)]
+        seeds: list[Schedule] = [self.default_schedule(st.op)]
         with self.db.session() as s:
             for w in queries.winners(s, op=st.op, policy=st.policy):
                 if w.compute_capability == "{}.{}".format(*cc) and (w.K, w.V, w.dtype) == (cfg.K, cfg.V, cfg.dtype):
@@ -537,10 +549,8 @@ class Campaign:
             for op, policy in self._groups():
                 if self.stop.is_set() or not self._budget_left():
                     return
-                default = search.default_schedule(op, cfg.device.compute_capability, cfg.K, cfg.V, cfg.dtype)
-                worker.request(dict(kind="gate", op=op, policy=policy, K=cfg.K, V=cfg.V, schedule=default.to_dict(),
-                                    fault="none", device=cfg.device_kind, backend=kernel_backend(), seed=0,
-                                    reps=cfg.reps), cfg.trial_timeout_s)
+                worker.request({"kind": "gate", **self.task(op, policy, self.default_schedule(op).to_dict(), seed=0)},
+                               cfg.trial_timeout_s)
             self._warm_baselines(worker)
 
     def _groups(self) -> dict[tuple[str, str], list[tuple[int, ...]]]:
@@ -619,8 +629,7 @@ class Campaign:
         if reason is not None:  # rejected before compiling, recorded, never compiled
             self._reject(st, trial, sched, reason)
             return None
-        task = dict(op=st.op, policy=st.policy, K=cfg.K, V=cfg.V, schedule=sched, fault=fault,
-                    device=cfg.device_kind, backend=kernel_backend(), seed=trial.number, reps=cfg.reps)
+        task = self.task(st.op, st.policy, sched, seed=trial.number, fault=fault)
         return {"trial": trial, "schedule": sched, "task": task, "shapes": st.shapes}
 
     def _gate(self, pending: dict[str, Any], gater: TrialWorker, *, warm: bool):

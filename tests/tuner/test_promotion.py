@@ -135,6 +135,8 @@ def _warm_stub(sent, lock=None):
     obj = types.SimpleNamespace(config=config, states=states, stop=threading.Event(), _budget_left=lambda: True,
                                 _warm_lock=lock or threading.Lock())
     obj._groups = lambda: tuner.Campaign._groups(obj)
+    obj.default_schedule = lambda op: tuner.Campaign.default_schedule(obj, op)
+    obj.task = lambda *a, **kw: tuner.Campaign.task(obj, *a, **kw)
     obj._warm_baselines = lambda w: tuner.Campaign._warm_baselines(obj, w)
     return obj, worker
 
