@@ -47,11 +47,11 @@ def op_of(g: torch.Tensor | None, erase: torch.Tensor) -> str:
 
 
 def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None) -> Schedule:
+    from rewy_tune.problem import dtype_label
     from rewy_tune.search_spaces import default_schedule
 
     cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(q.dtype)
-    return default_schedule(cc, K=K, V=V, op=op, dtype=dtype)
+    return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype))
 
 
 def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state):

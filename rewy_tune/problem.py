@@ -11,6 +11,11 @@ DTYPES = ("bf16", "fp16", "fp32")
 _TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+def dtype_label(dtype) -> str | None:
+    """The label (bf16, fp16, fp32) of a torch dtype the kernels accept; None for any other."""
+    return _TORCH_DTYPES.get(str(dtype).removeprefix("torch."))
+
+
 def next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
@@ -89,12 +94,13 @@ class Problem:
             raise ValueError(f"q and v must be [B, T, H, K] and [B, T, H, V]; got {tuple(q.shape)} and {tuple(v.shape)}")
         if tuple(q.shape[:3]) != tuple(v.shape[:3]):
             raise ValueError(f"q and v must agree on B, T, H; got {tuple(q.shape)} and {tuple(v.shape)}")
-        dtype_name = str(q.dtype).removeprefix("torch.")
-        if dtype_name not in _TORCH_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_TORCH_DTYPES)}; got {dtype_name}")
+        dtype = dtype_label(q.dtype)
+        if dtype is None:
+            got = str(q.dtype).removeprefix("torch.")
+            raise ValueError(f"dtype must be one of {', '.join(_TORCH_DTYPES)}; got {got}")
         B, T, H, K = (int(x) for x in q.shape)
         return cls(
-            op=op, policy=policy, dtype=_TORCH_DTYPES[dtype_name], B=B, T=T, H=H, K=K, V=int(v.shape[-1]),
+            op=op, policy=policy, dtype=dtype, B=B, T=T, H=H, K=K, V=int(v.shape[-1]),
             has_initial_state=initial_state is not None, varlen=cu_seqlens is not None,
         )
 
