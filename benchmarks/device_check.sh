@@ -9,6 +9,8 @@
 # enumerate (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
 # counters of one backward's local kernels, benchmarks/one_backward.py), models
 # (benchmarks/model_check.py).
+# BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
+# a one-worker campaign on GPU 0.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
 # PYTHONSAFEPATH: the checkout's rewy_tune/ folder must not shadow the installed namespace, in any
@@ -65,5 +67,11 @@ step_models() {
     > "$OUT/models.log" 2>&1
   echo "models rc=$?"; tail -40 "$OUT/models.log"
 }
+bg=
+if [ -n "${BG_STEPS:-}" ]; then
+  ( export CUDA_VISIBLE_DEVICES="${BG_GPU:-1}"; for s in $BG_STEPS; do "step_$s"; done ) > "$OUT/background.log" 2>&1 &
+  bg=$!
+fi
 for s in ${STEPS:-tests bench}; do "step_$s"; done
+if [ -n "$bg" ]; then wait "$bg"; echo "--- background steps (GPU ${BG_GPU:-1}): $BG_STEPS"; cat "$OUT/background.log"; fi
 tar czf "$OUT/results.tgz" -C "$RES" .
