@@ -190,15 +190,18 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     return reasons
 
 
-# A Triton 3.6 miscompile on the H200 (sm_90, 16-bit inputs): the recompute stage with block_k = 128 and 4 warps
-# returns a right W and a wrong U (relative error 1.1-1.2: tests/kernels/test_triton_shared_stages.py
-# test_gpu_wrong_h200_schedule_stage, session 5, with block_v 16 / 1 stage and 32 / 2 stages; both right on the
-# interpreter). Every wrong-gradient schedule the H200 campaigns gated (sessions 3, 4, 5: dq, dk, dg, db wrong,
-# o, ht, dv, dw, dh0 right, which a wrong U gives through R and S0) had exactly this stage configuration, and six
-# session-3 trials with block_k = 128 and 8 warps passed. Rejected before compiling for 16-bit inputs on compute
-# capability 9.x, for every operator (the stage is shared); other GPUs and fp32 inputs compile other paths.
-H200_RECOMPUTE_FAULT = ("Triton 3.6 on sm_90 computes a wrong U there (H200 stage test, session 5; every wrong H200 "
-                        "campaign schedule of sessions 3-5)")
+# A Triton 3.6 miscompile on the H200 (sm_90, 16-bit inputs): the recompute stage with 4 warps and a feature tile
+# wider than its value tile returns a right W and a wrong U. Session 5's stage test found block_k = 128 with block_v
+# 16 / 32 (relative error 1.1-1.2: tests/kernels/test_triton_shared_stages.py test_gpu_wrong_h200_schedule_stage;
+# right on the interpreter); session 6's campaign gated three more wrong schedules with the same signature (dq, dk,
+# dg, db wrong; o, ht, dv, dw, dh0 right, which a wrong U gives through R and S0) and recompute tiles 32 x 16,
+# 64 x 16 and 64 x 32, all at 4 warps. Over the four H200 campaigns every 4-warp recompute with block_k > block_v
+# was wrong and every 4-warp one with block_k <= block_v passed (nine configurations), as did every 2- and 8-warp
+# one (block_k up to 8 x block_v). Rejected before compiling for 16-bit inputs on compute capability 9.x, for every
+# operator (the stage is shared), together with block_k = 128 at 4 warps whatever block_v (the first finding);
+# other GPUs and fp32 inputs compile other paths.
+H200_RECOMPUTE_FAULT = ("Triton 3.6 on sm_90 computes a wrong U there (H200 stage tests, sessions 5-6; every wrong "
+                        "H200 campaign schedule of sessions 3-6)")
 
 
 def compute_capability_of(problem_dims: Any) -> tuple[int, int] | None:
@@ -210,9 +213,13 @@ def compute_capability_of(problem_dims: Any) -> tuple[int, int] | None:
 def recompute_fault_reasons(schedule: Schedule, e: int, compute_capability: tuple[int, int] | None) -> list[str]:
     """The recompute stage configuration that miscompiles on compute capability 9.x with 16-bit inputs (e = 2)."""
     r = schedule.recompute
-    if e == 2 and compute_capability is not None and compute_capability[0] == 9 and r.block_k == 128 \
-            and r.num_warps == 4:
+    if e != 2 or compute_capability is None or compute_capability[0] != 9 or r.num_warps != 4:
+        return []
+    if r.block_k == 128:
         return [f"recompute.block_k=128 with 4 warps and 16-bit inputs: {H200_RECOMPUTE_FAULT}"]
+    if r.block_k > r.block_v:
+        return [f"recompute.block_k={r.block_k} > block_v={r.block_v} with 4 warps and 16-bit inputs: "
+                f"{H200_RECOMPUTE_FAULT}"]
     return []
 
 

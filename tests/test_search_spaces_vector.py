@@ -66,7 +66,7 @@ SESSION3_DB = DB.with_name("h200-campaign-gdn2-session3.db")
 
 
 H200_CAMPAIGNS = [SESSION3_DB, *(DB.with_name(f"h200x2-campaign-gdn2-{n}.db") for n in ("session4", "session5a",
-                                                                                         "session5b"))]
+                                                                                         "session5b", "session6"))]
 
 
 def _gated(db):
@@ -87,11 +87,15 @@ def test_h200_wrong_gradients_rejected_and_every_gated_schedule_accepted():
         rows = _gated(db)
         wrong |= {s for s, st in rows if st == "incorrect"}
         passed |= {s for s, st in rows if st == "ok"}
-    assert len(wrong) == 3 and len(passed) >= 15  # distinct schedules (one was gated wrong in two campaigns)
+    assert len(wrong) == 6 and len(passed) >= 45  # distinct schedules (one was gated wrong in two campaigns)
     for text in wrong:
         bad = Schedule.from_dict(json.loads(text))
+        r = bad.recompute
+        assert r.num_warps == 4 and r.block_k > r.block_v, r  # the one stage configuration they all share
         reasons = vector.constraint(bad, H200)
-        assert [r.split(":")[0] for r in reasons] == ["recompute.block_k=128 with 4 warps and 16-bit inputs"], reasons
+        assert [x.split(":")[0] for x in reasons] == [
+            "recompute.block_k=128 with 4 warps and 16-bit inputs" if r.block_k == 128 else
+            f"recompute.block_k={r.block_k} > block_v={r.block_v} with 4 warps and 16-bit inputs"], reasons
         assert search.constraint_violation(bad, op="gdn2", K=128, V=128, compute_capability=(9, 0)) is not None
         # the stage is shared: the scalar operators reject it too; 8 warps, fp32 inputs and other GPUs do not
         assert scalar.recompute_fault_reasons(bad, 2, (9, 0)) and not scalar.recompute_fault_reasons(bad, 4, (9, 0))
