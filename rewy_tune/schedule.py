@@ -100,8 +100,8 @@ class Schedule:
     pd_dtype: str = "fp32"  # storage dtype of P and D when consumer == "separate"
     intra: str = "auto"  # vector-gate intra (KDA/GDN2): centred whole-chunk or 16-row sub-chunk
     intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee") or 3×tf32 ("tf32x3")
-    forward_scan_segments: int = 1  # sequence split of the forward scan (parallel segments, see scan.py)
-    reverse_scan_segments: int = 1  # sequence split of the reverse scan
+    forward_scan_segments: int = 1  # sequence split of the forward scan: at most this many segments of >= 2 chunks
+    reverse_scan_segments: int = 1  # sequence split of the reverse scan (the same rule; see scan.py)
     dv_local_source: str = "recompute"  # vector gates: A_qk of dv_local recomputed, or the forward's saved Aqk
 
     def __post_init__(self) -> None:

@@ -438,9 +438,17 @@ def combine_shared_memory(K: int) -> int:
     return (KB * KB + 2 * KB * COMBINE_BV) * 4
 
 
+# A segment spans at least this many chunks. Latency ≈ 2·NT/NS + NS chunk steps is lowest near NS = sqrt(2·NT),
+# i.e. at most NT/2 for NT ≥ 8, and a one-chunk segment's transfer buffer ([K, V + K] fp32) is twice the state it
+# stands for: at T = 512 (eight chunks) the eight one-chunk segments of the KDA/GDN2 H200 default put KDA's peak
+# backward memory 1-2 MiB above FLA's (benchmarks/RESULTS.md, session 5).
+MIN_SEGMENT_CHUNKS = 2
+
+
 def _segments(NT: int, num_segments: int) -> tuple[int, int]:
-    """(segments actually used, chunks per segment); never leaves a segment empty."""
-    cps = triton.cdiv(NT, min(num_segments, NT))
+    """(segments actually used, chunks per segment): at most num_segments, each of at least MIN_SEGMENT_CHUNKS
+    chunks (one segment when NT is smaller), none empty."""
+    cps = triton.cdiv(NT, max(1, min(num_segments, NT // MIN_SEGMENT_CHUNKS)))
     return triton.cdiv(NT, cps), cps
 
 
