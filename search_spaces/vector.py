@@ -255,21 +255,23 @@ def gpu_fault_reasons(schedule: Schedule, K: int, V: int, e: int,
     return recompute_fault_reasons(schedule, e, compute_capability)
 
 
-# KDA and GDN2 on the H200 (K = V = 128, 16-bit inputs): the schedule of the first full H200 campaign
-# (benchmarks/RESULTS.md, session 3) that was best on four of the six GDN2 benchmark shapes and within 2.6 % / 4.4 %
-# on the others, 1.06-1.40x faster than the scalar-derived default; it passed the tuner's correctness gates on the
-# H200 there. Sequence-split scans with wide state tiles (fewer, longer programs, split 4 / 8 ways along T), a
-# narrow joint consumer. dv_local reads the forward's saved A_qk (session 5): FLA's own backward keeps and reads
-# the same buffer in the input dtype (rewy-math §8.1: A_qk's stored format is FLA's, unchanged), and recomputing
-# it with fp32 FMA products was 1.31 of KDA's 4.88 ms at (1, 8192, 16) (session 3 profile). KDA runs the same
-# kernels as GDN2 (scalar β instead of vector b, w), so it takes the same schedule.
+# KDA and GDN2 on the H200 (K = V = 128, 16-bit inputs): the winner of the session-6 one-worker GDN2 campaign
+# (benchmarks/RESULTS.md, session 6; `rewy-tune --device h200 --op gdn2 --policy R --trials 60 --workers 1
+# --compile-jobs 8 --time-budget 7m --seed 0`, trial 49 of bucket T8192·BH16, the winner of every bucket).
+# Promotion re-measured it paired against FLA and the previous default (session 5's schedule, itself session 3's
+# campaign winner with dv_local reading the forward's A_qk): 13-21 % faster on every GDN2 shape, beyond the
+# measured spread (0.3-0.8 %). It changes four stages of that schedule: the recompute at 8 warps (was 2), dv_local
+# at block_v 16 and 8 warps (was 64, 4), the reverse scan's state tile 128 x 64 (was 128 x 128), the joint
+# consumer's feature tile 32 (was 16). Sequence-split scans (4 / 8 segments of >= 2 chunks), fp32 states, and
+# dv_local from the forward's saved A_qk (FLA's own backward reads the same buffer in the input dtype, rewy-math
+# §8.1) stay. KDA runs the same kernels as GDN2 (scalar β instead of vector b, w), so it takes the same schedule.
 VECTOR_H200 = {
-    "recompute": StageConfig(64, 16, 2, 3),
+    "recompute": StageConfig(64, 16, 8, 3),
     "forward_scan": StageConfig(128, 128, 4, 3),
-    "dv_local": StageConfig(32, 64, 4, 3),
-    "reverse_scan": StageConfig(128, 128, 4, 2),
+    "dv_local": StageConfig(32, 16, 8, 3),
+    "reverse_scan": StageConfig(128, 64, 4, 2),
     "producer": StageConfig(64, 64, 4, 2),
-    "consumer_cfg": StageConfig(16, 128, 8, 2),
+    "consumer_cfg": StageConfig(32, 128, 8, 2),
     "cumsum": StageConfig(64, 64, 4, 1),
     "state_dtype": "fp32", "consumer": "joint", "pd_dtype": "fp32", "intra": "auto", "intra_precision": "ieee",
     "forward_scan_segments": 4, "reverse_scan_segments": 8, "dv_local_source": "forward",

@@ -314,6 +314,19 @@ H200_SESSION3_WRONG = {
 }
 
 
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_h200_default_on_the_interpreter(op):
+    # The H200 default (search_spaces/vector.py VECTOR_H200: the session-6 campaign winner) at its head dims: five
+    # chunks with a 44-row tail ask for 4 / 8 scan segments and run 2 / 2 of >= 2 chunks (scan._segments), initial
+    # state, final-state gradient, dv_local from the forward's A_qk. fp32 inputs: the interpreter's bf16 rounding
+    # is truncation (see below); the GPU suite runs it in bf16.
+    from rewy_tune.search_spaces.vector import VECTOR_H200
+
+    x = make_inputs(op, 1, 300, 1, 128, 128, seed=61)
+    out = run_triton(x, Schedule(**VECTOR_H200), "R")
+    assert_gates(out, oracle(x), ctx=f"{op} H200 default")
+
+
 def test_h200_incorrect_schedule_is_right_on_the_interpreter():
     # The kernels themselves are right for this schedule at its head dims (two chunks, 36-row tail, initial state,
     # two reverse-scan segments): the H200 fault is in a GPU compile. Session 5 found the stage on the H200 (the
