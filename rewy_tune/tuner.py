@@ -230,6 +230,12 @@ class Campaign:
         self._in_flight: dict[int, int] = {}  # id(StudyState) -> trials asked there, not yet settled
         self._ask_lock = threading.Lock()  # one ask at a time over all workers: targets count asked trials
         self._warm_lock = threading.Lock()  # worker slots warm the machine's caches one after the other
+        # seconds each worker slot spent warming (CUDA: "default gate", "FLA baselines"), and when the last slot
+        # finished: a cold machine spends minutes there (fla-core's first-use autotuning), so the rate after it
+        # is what --workers changes
+        self.warm_s: dict[int, dict[str, float]] = {}
+        self.warmed_at: float | None = None
+        self._timed_at_warm = 0
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self) -> list[StudyState]:
@@ -423,9 +429,19 @@ class Campaign:
         elapsed = self.search_s if self.search_s is not None else time.monotonic() - self.started
         g, t, r = self.stats["gated"], self.stats["timed"], self.stats["rejected"]
         rate = 60.0 / max(elapsed, 1e-9)
-        return (f"search {elapsed:.0f} s, {self.config.workers} worker(s) x {self.config.compile_jobs} gate "
+        line = (f"search {elapsed:.0f} s, {self.config.workers} worker(s) x {self.config.compile_jobs} gate "
                 f"process(es): {g} schedules gated ({g * rate:.2f}/min), {t} timed ({t * rate:.2f}/min), "
                 f"{r} rejected before compiling")
+        if self.warm_s:
+            parts = "; ".join(f"slot {slot}: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
+                              for slot, phases in sorted(self.warm_s.items()))
+            line += f"; warm-up ({parts})"
+        if self.warmed_at is not None:
+            after = self.started + elapsed - self.warmed_at
+            if after > 0:
+                line += (f"; after the warm-up ({after:.0f} s): {(t - self._timed_at_warm) * 60.0 / after:.2f} "
+                         "timed/min")
+        return line
 
     def running(self) -> bool:
         return any(th.is_alive() for th in getattr(self, "_threads", []))
@@ -452,7 +468,7 @@ class Campaign:
         self.workers.extend([worker, *gaters])
         try:
             if gaters:
-                self._stream(worker, gaters)
+                self._stream(worker, gaters, slot)
             else:
                 self._serial(worker)
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not pass silently
@@ -476,7 +492,7 @@ class Campaign:
             gate = self._gate(pending, worker, warm=False)
             self._settle(st, pending, gate, worker)
 
-    def _stream(self, worker: TrialWorker, gaters: list[TrialWorker]) -> None:
+    def _stream(self, worker: TrialWorker, gaters: list[TrialWorker], slot: int = 0) -> None:
         """Gate processes compile and check trials continuously, each asking for its next trial as soon as it
         is free; the measuring process times each gated trial as it arrives. A batch that waited for its
         slowest compile, then for the timing of all its trials (and, on the first trial, for FLA's
@@ -507,7 +523,7 @@ class Campaign:
                 done.put(None)
 
         if self.config.device_kind == "cuda":
-            self._warm_machine(worker)
+            self._warm_machine(worker, slot)
         feeders = [threading.Thread(target=feed, args=(g,), daemon=True) for g in gaters]
         for th in feeders:
             th.start()
@@ -534,7 +550,7 @@ class Campaign:
                 with ask_lock:
                     self._in_flight[id(item[0])] -= 1
 
-    def _warm_machine(self, worker: TrialWorker) -> None:
+    def _warm_machine(self, worker: TrialWorker, slot: int = 0) -> None:
         """Before the gate processes start (CUDA): compile and autotune what every process of the campaign needs,
         once, with the cores to this process, into Triton's on-disk caches (kernels, and autotuning results:
         TRITON_CACHE_AUTOTUNING=1 in the workers). That is fla-core's forward at the gate shapes and our
@@ -546,12 +562,19 @@ class Campaign:
         are gated and timed as usual."""
         cfg = self.config
         with self._warm_lock:
+            phases = self.warm_s.setdefault(slot, {})
+            t0 = time.monotonic()
             for op, policy in self._groups():
                 if self.stop.is_set() or not self._budget_left():
                     return
                 worker.request({"kind": "gate", **self.task(op, policy, self.default_schedule(op).to_dict(), seed=0)},
                                cfg.trial_timeout_s)
+            t1 = time.monotonic()
+            phases["default gate"] = t1 - t0
             self._warm_baselines(worker)
+            phases["FLA baselines"] = time.monotonic() - t1
+            self.warmed_at = time.monotonic()
+            self._timed_at_warm = self.stats["timed"]
 
     def _groups(self) -> dict[tuple[str, str], list[tuple[int, ...]]]:
         """(operator, policy) -> every workload shape of its buckets."""

@@ -4,6 +4,7 @@ a real campaign plan on a temporary database, with a stand-in measuring worker w
 from __future__ import annotations
 
 import json
+import time
 import types
 
 import optuna
@@ -133,7 +134,8 @@ def _warm_stub(sent, lock=None):
               types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 2048, 16)]),
               types.SimpleNamespace(op="kda", policy="A", shapes=[(1, 512, 4)])]
     obj = types.SimpleNamespace(config=config, states=states, stop=threading.Event(), _budget_left=lambda: True,
-                                _warm_lock=lock or threading.Lock())
+                                _warm_lock=lock or threading.Lock(), warm_s={}, warmed_at=None, _timed_at_warm=0,
+                                stats={"gated": 0, "timed": 0, "rejected": 0})
     obj._groups = lambda: tuner.Campaign._groups(obj)
     obj.default_schedule = lambda op: tuner.Campaign.default_schedule(obj, op)
     obj.task = lambda *a, **kw: tuner.Campaign.task(obj, *a, **kw)
@@ -163,6 +165,23 @@ def test_the_machine_is_warmed_before_any_gate_process_starts():
         ("gate", "gdn2", "R"), ("gate", "kda", "A"), ("warm", "gdn2", "R"), ("warm", "kda", "A")]
     assert sent[0]["schedule"] == search.default_schedule("gdn2", (9, 0), 128, 128, "bf16").to_dict()
     assert sent[1]["schedule"] == search.default_schedule("kda", (9, 0), 128, 128, "bf16").to_dict()
+    # both phases are timed per worker slot, and the end of the warm-up is when the after-warm-up rate starts
+    assert list(obj.warm_s[0]) == ["default gate", "FLA baselines"] and obj.warmed_at is not None
+
+
+def test_throughput_reports_the_warm_up_and_the_rate_after_it():
+    # A cold H200 host spent 7 of a campaign's 7 minutes warming (session 6): the whole-run rate said nothing about
+    # what two workers buy, the rate after the warm-up does.
+    obj = types.SimpleNamespace(search_s=None, started=time.monotonic() - 600,
+                                stats={"gated": 30, "timed": 20, "rejected": 5},
+                                config=types.SimpleNamespace(workers=2, compile_jobs=8),
+                                warm_s={0: {"default gate": 150.0, "FLA baselines": 210.0}, 1: {"default gate": 5.0,
+                                                                                                 "FLA baselines": 4.0}},
+                                warmed_at=time.monotonic() - 240, _timed_at_warm=0)
+    line = tuner.Campaign.throughput(obj)
+    assert "warm-up (slot 0: default gate 150 s, FLA baselines 210 s; slot 1: default gate 5 s, FLA baselines 4 s)" \
+        in line
+    assert "after the warm-up (240 s): 5.00 timed/min" in line, line
 
 
 def test_stream_warms_before_the_gate_processes_ask(tmp_path):
@@ -174,7 +193,7 @@ def test_stream_warms_before_the_gate_processes_ask(tmp_path):
         campaign = tuner.Campaign(config, db)
         campaign.plan()
         order = []
-        campaign._warm_machine = lambda w: order.append("warm")
+        campaign._warm_machine = lambda w, slot: order.append("warm")
         campaign._next_study = lambda: order.append("ask") or None  # nothing to ask: the gate loops end
         campaign.config = _CudaConfig(config)
         campaign._stream(worker=types.SimpleNamespace(), gaters=[types.SimpleNamespace(), types.SimpleNamespace()])
