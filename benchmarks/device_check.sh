@@ -18,7 +18,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 REWY_TEST_NO_INTERPRET=1
 rm -rf build ./*.egg-info  # a stale build/ from an earlier call would be installed instead of the source
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 || exit 4
-OUT=${OUT:-/tmp/out}; RES=/tmp/results; mkdir -p "$OUT" "$RES"
+# A host can keep /tmp from an earlier call (session 6 found session 5's bench files there): start RES empty unless
+# KEEP_RESULTS=1 (e.g. a campaign continued with --resume, or promoted against the previous call's winners).
+OUT=${OUT:-/tmp/out}; RES=/tmp/results
+[ "${KEEP_RESULTS:-0}" = 1 ] || rm -rf "$RES"
+mkdir -p "$OUT" "$RES"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$RES/gpu.txt"
 python3 -c "import rewy_tune.measure as m; print(m.software_versions())" | tee -a "$RES/gpu.txt"
 
