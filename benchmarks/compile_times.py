@@ -6,7 +6,9 @@ launches that one backward of an operator makes with a given schedule:
    launch: K, V, tiles, warps, stages); every `kernel[grid](...)` launch is recorded (argument types,
    constexpr values, options);
 2. compile: a fresh process without the interpreter compiles each recorded launch with an empty Triton
-   cache and prints the CPU seconds per kernel (ptxas included; wall time depends on the machine's load).
+   cache and prints the CPU seconds per kernel (ptxas included; wall time depends on the machine's load), its
+   shared memory, and its registers and stack frame per thread from the cubin (`cuobjdump -res-usage`: a stack
+   frame at 255 registers is register spilling, what ncu reports as local-memory spill requests on the GPU).
 
     python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
                                        [--dtype bf16|fp32] [--gate]
@@ -156,8 +158,24 @@ def _compile(launches: list[dict]) -> list[tuple[str, float, int]]:
         seen.add(key)
         c0 = _cpu_seconds()
         c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target, options=opts)
-        out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts))
+        out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
     return out
+
+
+def _resource_usage(cubin: bytes) -> str:
+    """Registers per thread and local memory (spill) bytes per thread of a compiled kernel, from the cubin
+    (Triton's bundled cuobjdump): the register pressure that ncu shows on the GPU, readable without one."""
+    import re
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return f"regs {m.group(1):>3} stack {m.group(2):>5} B" if m else "regs ?"
 
 
 def main() -> None:
@@ -177,8 +195,8 @@ def main() -> None:
         return
     if args._stage == "compile":
         out = _compile(pickle.load(open(args._file, "rb")))
-        for name, s, shared, opts in out:
-            print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {opts}")
+        for name, s, shared, opts, usage in out:
+            print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {usage}  {opts}")
         print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")
         return
     with tempfile.TemporaryDirectory() as tmp:

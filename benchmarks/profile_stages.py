@@ -69,6 +69,14 @@ def variants_for(op: str, base):
         out["dvl16x16w8"] = base.replace(dv_local={"block_k": 16, "block_v": 16, "num_warps": 8, "num_stages": 2})
         out["tf32x3"] = base.replace(intra_precision="tf32x3")
         out["dvl-from-fwd"] = base.replace(dv_local_source="forward")  # dv_local from the forward's Aqk
+        # Register pressure read off the sm_90 cubins on a CPU (`compile_times.py`, session 6): the consumer's stack
+        # frame is 2 504 B per thread at block_v 128 and 952 B at 64 (520 B with block_k 16); the forward scan's
+        # 1 624 B at 4 warps is 376 B at 8 warps and 616 B at block_v 64. Whether fewer spills buy time is what
+        # these measure.
+        out["cons-bv64"] = base.replace(consumer_cfg={"block_v": 64})
+        out["cons-bk16-bv64"] = base.replace(consumer_cfg={"block_k": 16, "block_v": 64})
+        out["fscan-w8"] = base.replace(forward_scan={"num_warps": 8})
+        out["fscan-bv64"] = base.replace(forward_scan={"block_v": 64})
     else:
         out["cons32x64"] = base.replace(consumer_cfg={"block_k": 32, "block_v": 64})
     return out
