@@ -264,7 +264,23 @@ def _warm_shape(msg: dict[str, Any], shape: tuple[int, int, int]) -> None:
 
 
 def _warm(msg: dict[str, Any]) -> dict[str, Any]:
-    """`warmup.warm`'s request: each shape once, ours (unless ours=False) and (with_fla) FLA's, untimed."""
+    """`warmup.warm`'s request: each shape once, ours (unless ours=False) and (with_fla) FLA's, untimed.
+    ``autotune_part=[i, n]``: FLA's autotuners compile only their i-th of n shares of configurations
+    (`autotune_parts.config_part`), n gate processes splitting a cold machine's compiling between them."""
+    import contextlib
+    import importlib
+
+    from rewy_tune import autotune_parts
+
+    part = msg.get("autotune_part")
+    if part is None:
+        return _warm_shapes(msg)
+    importlib.import_module(autotune_parts.FLA_PACKAGES[msg["op"]])
+    with autotune_parts.config_part(*part) if msg.get("with_fla") else contextlib.nullcontext():
+        return _warm_shapes(msg)
+
+
+def _warm_shapes(msg: dict[str, Any]) -> dict[str, Any]:
     from rewy_tune import fla_baseline, measure
 
     for shape in msg["shapes"]:

@@ -523,7 +523,7 @@ class Campaign:
                 done.put(None)
 
         if self.config.device_kind == "cuda":
-            self._warm_machine(worker, slot)
+            self._warm_machine(worker, slot, gaters)
         feeders = [threading.Thread(target=feed, args=(g,), daemon=True) for g in gaters]
         for th in feeders:
             th.start()
@@ -550,20 +550,25 @@ class Campaign:
                 with ask_lock:
                     self._in_flight[id(item[0])] -= 1
 
-    def _warm_machine(self, worker: TrialWorker, slot: int = 0) -> None:
-        """Before the gate processes start (CUDA): compile and autotune what every process of the campaign needs,
-        once, with the cores to this process, into Triton's on-disk caches (kernels, and autotuning results:
-        TRITON_CACHE_AUTOTUNING=1 in the workers). That is fla-core's forward at the gate shapes and our
-        default pipeline (the gate of the built-in default, the first trial anyway), then FLA's forward and
-        backward at the workload shapes (`_warm_baselines`). On two H200s (session 5) sixteen gate processes
-        and two measuring processes each autotuned fla-core's kernels at the same time: the first gates took
-        ~150 s (the pipeline itself compiles in ~45 CPU s) and timing began only at minute 5.4. Worker slots
-        take turns, so the second finds everything cached. Outcomes are not recorded: the trials themselves
-        are gated and timed as usual."""
+    def _warm_machine(self, worker: TrialWorker, slot: int = 0, gaters: list[TrialWorker] | None = None) -> None:
+        """Before the gate processes start gating (CUDA): compile and autotune what every process of the campaign
+        needs, once, into Triton's on-disk caches (kernels, and autotuning results: TRITON_CACHE_AUTOTUNING=1 in
+        the workers). First the gate processes compile fla-core's autotuning configurations at the workload
+        shapes, each its share (`_precompile_fla`); then the measuring process gates the built-in default
+        (fla-core's forward at the gate shapes, our default pipeline: the first trial anyway) and runs FLA's
+        forward and backward at the workload shapes (`_warm_baselines`), autotuning over the full lists with
+        every binary already compiled. On two H200s, sixteen gate processes autotuning fla-core at once
+        (session 5) made the first gates take ~150 s; one process doing it all (session 6) took ~7 minutes.
+        Worker slots take turns, so the second finds everything cached. Outcomes are not recorded: the trials
+        themselves are gated and timed as usual."""
         cfg = self.config
         with self._warm_lock:
             phases = self.warm_s.setdefault(slot, {})
             t0 = time.monotonic()
+            if gaters:
+                self._precompile_fla(gaters)
+                phases["FLA precompile"] = time.monotonic() - t0
+                t0 = time.monotonic()
             for op, policy in self._groups():
                 if self.stop.is_set() or not self._budget_left():
                     return
@@ -575,6 +580,27 @@ class Campaign:
             phases["FLA baselines"] = time.monotonic() - t1
             self.warmed_at = time.monotonic()
             self._timed_at_warm = self.stats["timed"]
+
+    def _precompile_fla(self, gaters: list[TrialWorker]) -> None:
+        """Each gate process runs FLA at the workload shapes with its share of every autotuner's configurations
+        (`autotune_parts.config_part`), all at once: the compiling one process would do config after config is
+        spread over len(gaters) processes. Failures are left to the later warm-up and measurements to report."""
+        cfg = self.config
+        groups = self._groups()
+
+        def run(i: int, gater: TrialWorker) -> None:
+            for (op, policy), shapes in groups.items():
+                if self.stop.is_set() or not self._budget_left():
+                    return
+                gater.request(dict(kind="warm", op=op, policy=policy, K=cfg.K, V=cfg.V, device=cfg.device_kind,
+                                   shapes=[list(x) for x in shapes], ours=False, with_fla=True,
+                                   autotune_part=[i, len(gaters)]), cfg.trial_timeout_s)
+
+        threads = [threading.Thread(target=run, args=(i, g), daemon=True) for i, g in enumerate(gaters)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
 
     def _groups(self) -> dict[tuple[str, str], list[tuple[int, ...]]]:
         """(operator, policy) -> every workload shape of its buckets."""

@@ -169,6 +169,24 @@ def test_the_machine_is_warmed_before_any_gate_process_starts():
     assert list(obj.warm_s[0]) == ["default gate", "FLA baselines"] and obj.warmed_at is not None
 
 
+def test_the_gate_processes_precompile_fla_in_shares_before_the_measuring_process_warms():
+    # One process compiling fla-core's autotuning configurations one after another took ~7 minutes on a fresh H200
+    # host (session 6): the gate processes, idle until the warm-up ends, compile one share each first.
+    log = []
+    obj, worker = _warm_stub(log)
+    obj._precompile_fla = lambda g: tuner.Campaign._precompile_fla(obj, g)
+    gaters = [types.SimpleNamespace(request=lambda msg, timeout, i=i: log.append({**msg, "gater": i}) or Outcome("ok"))
+              for i in range(2)]
+    tuner.Campaign._warm_machine(obj, worker, 0, gaters)
+    first_own = next(i for i, m in enumerate(log) if "gater" not in m)
+    shares = log[:first_own]
+    assert sorted((m["gater"], m["op"], m["policy"], tuple(m["autotune_part"])) for m in shares) == [
+        (0, "gdn2", "R", (0, 2)), (0, "kda", "A", (0, 2)), (1, "gdn2", "R", (1, 2)), (1, "kda", "A", (1, 2))]
+    assert all(m["kind"] == "warm" and m["with_fla"] and not m["ours"] for m in shares)
+    assert all("gater" not in m for m in log[first_own:])  # then the measuring process: gates, FLA baselines
+    assert list(obj.warm_s[0]) == ["FLA precompile", "default gate", "FLA baselines"]
+
+
 def test_throughput_reports_the_warm_up_and_the_rate_after_it():
     # A cold H200 host spent 7 of a campaign's 7 minutes warming (session 6): the whole-run rate said nothing about
     # what two workers buy, the rate after the warm-up does.
@@ -193,7 +211,7 @@ def test_stream_warms_before_the_gate_processes_ask(tmp_path):
         campaign = tuner.Campaign(config, db)
         campaign.plan()
         order = []
-        campaign._warm_machine = lambda w, slot: order.append("warm")
+        campaign._warm_machine = lambda w, slot, gaters: order.append("warm")
         campaign._next_study = lambda: order.append("ask") or None  # nothing to ask: the gate loops end
         campaign.config = _CudaConfig(config)
         campaign._stream(worker=types.SimpleNamespace(), gaters=[types.SimpleNamespace(), types.SimpleNamespace()])

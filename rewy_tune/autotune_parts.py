@@ -1,0 +1,51 @@
+"""Split the compilation of autotuned kernels (fla-core's) over several processes.
+
+On first use Triton's autotuner compiles every configuration of a kernel, one after another, then times them.
+For fla-core's KDA/GDN2 forward and backward that is minutes of single-core compiling in one process: on a
+fresh H200 host a campaign's warm-up took about 7 minutes, most of it there (benchmarks/RESULTS.md, session 6).
+Inside `config_part(i, n)` every autotuner of this process keeps only its configurations i, i + n, i + 2n, ...:
+n processes running the same calls compile disjoint shares into Triton's on-disk cache at the same time. The
+process that measures then autotunes over the full lists as usual, finds every binary compiled, and only times
+them; its choice is FLA's own, made on an otherwise idle GPU. The shares' own picks are kept apart: Triton keys
+its on-disk autotuning results by the configuration list, and the in-memory picks are restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Iterator
+
+# fla-core's package per operator: importing it defines (and so registers) its autotuned kernels
+FLA_PACKAGES = {"deltanet": "fla.ops.delta_rule", "gdn": "fla.ops.gated_delta_rule", "kda": "fla.ops.kda",
+                "gdn2": "fla.ops.gdn2"}
+
+
+def autotuners() -> list:
+    """Every Triton autotuner alive in this process (one per autotuned kernel of the imported modules)."""
+    from triton.runtime.autotuner import Autotuner
+
+    return [o for o in gc.get_objects() if isinstance(o, Autotuner)]
+
+
+@contextlib.contextmanager
+def config_part(part: int, parts: int) -> Iterator[int]:
+    """Within the block each autotuner keeps its configurations part, part + parts, ... (a kernel with fewer than
+    `parts` configurations keeps one, `part` modulo its count). Yields the number of autotuners restricted."""
+    if not isinstance(parts, int) or parts < 1 or not isinstance(part, int) or not 0 <= part < parts:
+        raise ValueError(f"config_part: part must be in [0, parts) with parts >= 1, got part={part!r}, "
+                         f"parts={parts!r}")
+    saved = []
+    for tuner in autotuners():
+        configs = list(tuner.configs)
+        if not configs:
+            continue
+        saved.append((tuner, tuner.configs, dict(tuner.cache)))
+        tuner.configs = configs[part::parts] or [configs[part % len(configs)]]
+    try:
+        yield len(saved)
+    finally:
+        for tuner, configs, cache in saved:
+            tuner.configs = configs
+            tuner.cache.clear()
+            tuner.cache.update(cache)
