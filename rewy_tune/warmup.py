@@ -1,7 +1,8 @@
 """Compile ahead in parallel: run each (operator, policy, schedule, shape) once, untimed, in a pool of
 worker processes, so that Triton's on-disk cache holds every kernel variant (ours and FLA's) before a
 single process measures. Compilation is CPU-bound and takes minutes on a fresh machine; timing needs the
-GPU to itself, so the two are kept apart.
+GPU to itself, so the two are kept apart. fla-core's autotuned kernels are compiled first, their
+configurations shared out over all the processes (`autotune_parts`).
 
 A failure is reported per task, never raised: the measuring process then meets (and reports) it itself.
 """
@@ -45,32 +46,63 @@ def default_jobs() -> int:
 def warm(tasks: list[WarmTask], jobs: int | None = None, timeout_s: float = 600.0,
          device: str = "cuda") -> list[WarmResult]:
     """Run every task once in `jobs` worker processes; results in task order. `device="cpu"` runs our side
-    on the Triton interpreter (nothing is cached there: for tests of this machinery only)."""
-    jobs = max(1, min(jobs or default_jobs(), len(tasks) or 1))
-    results: list[WarmResult | None] = [None] * len(tasks)
-    lock = threading.Lock()
-    queue = list(range(len(tasks)))
+    on the Triton interpreter (nothing is cached there: for tests of this machinery only).
 
-    def loop() -> None:
-        worker = TrialWorker(device=device)
-        try:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    i = queue.pop(0)
-                t = tasks[i]
-                t0 = time.perf_counter()
-                out = worker.request({"kind": "warm", "device": device, "op": t.op, "policy": t.policy,
-                                      "schedule": t.schedule, "shapes": [list(s) for s in t.shapes], "K": t.K, "V": t.V,
-                                      "with_fla": t.with_fla}, timeout_s)
-                results[i] = WarmResult(t, out.status, time.perf_counter() - t0, out.message, out.errors)
-        finally:
-            worker.stop()
+    On CUDA with several processes, first every process compiles its share of fla-core's autotuning
+    configurations for each (operator, policy) with FLA (`autotune_parts.config_part`): a task compiles FLA's
+    kernels config after config in one process, and there are usually fewer tasks (one per head count) than
+    processes. The tasks then find those binaries compiled."""
+    jobs = max(1, jobs or default_jobs())
+    workers = [TrialWorker(device=device) for _ in range(jobs)]
+    try:
+        if device == "cuda" and jobs > 1:
+            _precompile_fla_shares(tasks, workers, timeout_s)
+        return _run_tasks(tasks, workers[:max(1, min(jobs, len(tasks)))], timeout_s, device)
+    finally:
+        for w in workers:
+            w.stop()
 
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(jobs)]
+
+def _in_threads(fn, workers: list[TrialWorker]) -> None:
+    threads = [threading.Thread(target=fn, args=(i, w), daemon=True) for i, w in enumerate(workers)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+
+
+def _precompile_fla_shares(tasks: list[WarmTask], workers: list[TrialWorker], timeout_s: float) -> None:
+    groups: dict[tuple[str, str, int, int], list] = {}
+    for t in tasks:
+        if t.with_fla:
+            groups.setdefault((t.op, t.policy, t.K, t.V), []).extend(list(s) for s in t.shapes)
+
+    def share(i: int, worker: TrialWorker) -> None:
+        for (op, policy, K, V), shapes in groups.items():
+            worker.request({"kind": "warm", "device": "cuda", "op": op, "policy": policy, "shapes": shapes, "K": K,
+                            "V": V, "ours": False, "with_fla": True, "autotune_part": [i, len(workers)]}, timeout_s)
+
+    _in_threads(share, workers)
+
+
+def _run_tasks(tasks: list[WarmTask], workers: list[TrialWorker], timeout_s: float,
+               device: str) -> list[WarmResult]:
+    results: list[WarmResult | None] = [None] * len(tasks)
+    lock = threading.Lock()
+    queue = list(range(len(tasks)))
+
+    def loop(_: int, worker: TrialWorker) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            t = tasks[i]
+            t0 = time.perf_counter()
+            out = worker.request({"kind": "warm", "device": device, "op": t.op, "policy": t.policy,
+                                  "schedule": t.schedule, "shapes": [list(s) for s in t.shapes], "K": t.K, "V": t.V,
+                                  "with_fla": t.with_fla}, timeout_s)
+            results[i] = WarmResult(t, out.status, time.perf_counter() - t0, out.message, out.errors)
+
+    _in_threads(loop, workers)
     return [r for r in results if r is not None]

@@ -3,6 +3,8 @@ come back in task order, a failing task is reported (not raised) and the others 
 
 from __future__ import annotations
 
+import types
+
 from rewy_tune import warmup
 from rewy_tune.search import default_schedule
 
@@ -19,3 +21,36 @@ def test_warm_reports_each_task_in_order_and_survives_a_bad_one():
     assert [r.task for r in results] == tasks
     assert [r.status for r in results] == ["ok", "runtime_error", "ok"], [r.message for r in results]
     assert "B,T,H=[1, 64, 1]" in results[1].message and "256" in results[1].message
+
+
+def test_cuda_compile_ahead_splits_fla_autotuning_configs_over_every_process_first(monkeypatch):
+    # Bench compiled ahead in one task per head count (4 tasks for gdn2 R and A on 12 processes): each compiled
+    # fla-core's autotuning configurations one after another. Now all processes first compile a share each.
+    log = []
+
+    class Stub:
+        def __init__(self, device):
+            self.id = len(stubs)
+            stubs.append(self)
+
+        def request(self, msg, timeout):
+            log.append((self.id, msg))
+            return types.SimpleNamespace(status="ok", message=None, errors={})
+
+        def stop(self):
+            pass
+
+    stubs = []
+    monkeypatch.setattr(warmup, "TrialWorker", Stub)
+    sched = default_schedule("gdn2", (9, 0), 128, 128, "bf16").to_dict()
+    tasks = [warmup.WarmTask("gdn2", policy, sched, shapes) for policy in ("R", "A")
+             for shapes in ([(1, 512, 4), (1, 8192, 4)], [(1, 2048, 16)])]
+    results = warmup.warm(tasks, jobs=3, device="cuda")
+    assert [r.status for r in results] == ["ok"] * 4 and len(stubs) == 3
+    shares = [(i, m["policy"], tuple(m["autotune_part"])) for i, m in log if "autotune_part" in m]
+    assert sorted(shares) == [(i, p, (i, 3)) for i in range(3) for p in ("A", "R")]
+    share_msgs = [m for _, m in log if "autotune_part" in m]
+    assert all(not m["ours"] and m["with_fla"] for m in share_msgs)
+    assert sorted(map(tuple, share_msgs[0]["shapes"])) == [(1, 512, 4), (1, 2048, 16), (1, 8192, 4)]
+    last_share = max(k for k, (_, m) in enumerate(log) if "autotune_part" in m)
+    assert all("autotune_part" not in m for _, m in log[last_share + 1:]) and len(log) - last_share - 1 == 4
