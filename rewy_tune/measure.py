@@ -111,8 +111,8 @@ class _Side:
     def backward(self):
         return torch.autograd.grad(self.o, self.leaves, self.do, retain_graph=True)
 
-    def capture(self):
-        """Warm up (compiles, autotunes), then capture backward and fwd+bwd graphs.
+    def capture(self, fwd_bwd: bool = True):
+        """Warm up (compiles, autotunes), then capture the backward graph and (fwd_bwd) the fwd+bwd graph.
 
         Everything runs on one side stream: autograd replays each backward op on the stream of its
         forward op, so a forward on the legacy default stream would make the capture depend on it.
@@ -128,10 +128,11 @@ class _Side:
         self.bwd_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd_graph, stream=stream):
             self.backward()
-        self.fb_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fb_graph, stream=stream):
-            o = self._call(self.leaves)
-            torch.autograd.grad(o, self.leaves, self.do)
+        if fwd_bwd:
+            self.fb_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.fb_graph, stream=stream):
+                o = self._call(self.leaves)
+                torch.autograd.grad(o, self.leaves, self.do)
         torch.cuda.synchronize()
 
     def peak_backward_mib(self) -> float:
@@ -179,21 +180,27 @@ def _time_graphs(graphs: list[torch.cuda.CUDAGraph], rounds: int) -> list[list[f
 
 
 def measure_shape(op: str, ours: OpFn, fla: OpFn | None, shape: tuple[int, int, int], *, K: int = 128,
-                  V: int = 128, rounds: int = MIN_ROUNDS, seed: int = 0, device="cuda") -> ShapeResult:
-    """Measure one shape: ours and FLA on the same inputs, interleaved, every sample kept."""
+                  V: int = 128, rounds: int = MIN_ROUNDS, seed: int = 0, device="cuda",
+                  extras: bool = True) -> ShapeResult:
+    """Measure one shape: ours and FLA on the same inputs, interleaved, every sample kept.
+
+    extras=False measures boundary B only (the backward graphs): no FB graphs, eager timings or peak memory,
+    which the tuner does not keep (its trials store the backward samples). They were most of a trial's
+    measuring time: each costs host-side passes of the autograd graph on both sides."""
     if rounds < MIN_ROUNDS:
         raise ValueError(f"rounds: the protocol needs at least {MIN_ROUNDS} observations, got {rounds}")
     inputs = bench_inputs(op, shape, K, V, device, seed)
     sides = [_Side(op, ours, inputs)] + ([_Side(op, fla, inputs)] if fla is not None else [])
     for side in sides:
-        side.capture()
+        side.capture(fwd_bwd=extras)
     backward = _time_graphs([s.bwd_graph for s in sides], rounds)
-    fwd_bwd = _time_graphs([s.fb_graph for s in sides], rounds)
+    fwd_bwd = _time_graphs([s.fb_graph for s in sides], rounds) if extras else [[] for _ in sides]
     timings = []
     for i, side in enumerate(sides):
         t = SideTiming(backward_ms=backward[i], fwd_bwd_ms=fwd_bwd[i])
-        t.eager_ms = [side.eager_ms() for _ in range(10)]
-        t.peak_backward_mib = side.peak_backward_mib()
+        if extras:
+            t.eager_ms = [side.eager_ms() for _ in range(10)]
+            t.peak_backward_mib = side.peak_backward_mib()
         timings.append(t)
     fla_timing = timings[1] if fla is not None else SideTiming(backward_ms=[math.nan])
     return ShapeResult(shape=shape, K=K, V=V, ours=timings[0], fla=fla_timing)

@@ -313,7 +313,8 @@ def _measure(msg: dict[str, Any]) -> dict[str, Any]:
             fla_baseline.bypass_hopper_guard()
         ours = measure.rewy_op_fn(op, policy, schedule)
         fla = fla_baseline.fla_op(op, policy) if msg.get("with_baseline", True) else None
-        r = measure.measure_shape(op, ours, fla, shape, K=K, V=V, rounds=max(30, msg.get("rounds", 30)))
+        # the backward samples are what a trial keeps: no FB graphs, eager timings or peak memory
+        r = measure.measure_shape(op, ours, fla, shape, K=K, V=V, rounds=max(30, msg.get("rounds", 30)), extras=False)
         data = {"ours_ms": r.ours.backward_ms, "baseline_ms": r.fla.backward_ms if fla else [],
                 "baseline": "fla", "timing": "cuda-graph"}
     else:

@@ -1,0 +1,74 @@
+"""measure_shape(extras=False), the tuner's measurement: backward graphs only (CPU, the CUDA parts stubbed)."""
+
+from __future__ import annotations
+
+import math
+
+from rewy_tune import fla_baseline, measure, trial_worker
+
+
+class StubSide:
+    made: list["StubSide"] = []
+
+    def __init__(self, op, fn, inputs):
+        self.calls = []
+        StubSide.made.append(self)
+
+    def capture(self, fwd_bwd=True):
+        self.calls.append(("capture", fwd_bwd))
+        self.bwd_graph = object()
+        if fwd_bwd:
+            self.fb_graph = object()
+
+    def eager_ms(self):
+        self.calls.append("eager")
+        return 1.0
+
+    def peak_backward_mib(self):
+        self.calls.append("peak")
+        return 2.0
+
+
+def _stubbed(monkeypatch):
+    StubSide.made = []
+    timed = []
+    monkeypatch.setattr(measure, "_Side", StubSide)
+    monkeypatch.setattr(measure, "bench_inputs", lambda *a, **kw: {})
+    monkeypatch.setattr(measure, "_time_graphs", lambda graphs, rounds: timed.append(len(graphs)) or
+                        [[0.5 + i] * rounds for i in range(len(graphs))])
+    return timed
+
+
+def test_extras_off_times_the_backward_graphs_only(monkeypatch):
+    timed = _stubbed(monkeypatch)
+    r = measure.measure_shape("gdn", "ours", "fla", (1, 64, 1), extras=False)
+    ours, fla = StubSide.made
+    assert ours.calls == fla.calls == [("capture", False)] and timed == [2]  # one interleaved backward timing
+    assert r.ours.backward_ms == [0.5] * 30 and r.fla.backward_ms == [1.5] * 30
+    assert r.ours.fwd_bwd_ms == [] and r.ours.eager_ms == [] and math.isnan(r.ours.peak_backward_mib)
+
+
+def test_extras_on_is_the_full_protocol(monkeypatch):
+    timed = _stubbed(monkeypatch)
+    r = measure.measure_shape("gdn", "ours", "fla", (1, 64, 1))
+    ours, _ = StubSide.made
+    assert ours.calls == [("capture", True)] + ["eager"] * 10 + ["peak"] and timed == [2, 2]
+    assert r.ours.fwd_bwd_ms == [0.5] * 30 and r.ours.peak_backward_mib == 2.0
+
+
+def test_the_trial_worker_measures_without_extras(monkeypatch):
+    seen = {}
+
+    def fake(op, ours, fla, shape, **kw):
+        seen.update(kw)
+        side = measure.SideTiming(backward_ms=[1.0] * 30)
+        return measure.ShapeResult(shape=shape, K=kw["K"], V=kw["V"], ours=side, fla=side)
+
+    monkeypatch.setattr(measure, "measure_shape", fake)
+    monkeypatch.setattr(fla_baseline, "fla_op", lambda op, policy: None)
+    from rewy_tune.schedule import Schedule
+
+    msg = dict(kind="measure", op="gdn2", policy="R", K=128, V=128, device="h200", shape=[1, 512, 4],
+               schedule=Schedule().to_dict())
+    out = trial_worker._measure(msg)
+    assert out["status"] == "ok" and seen["extras"] is False and out["data"]["ours_ms"] == [1.0] * 30
