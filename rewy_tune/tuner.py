@@ -187,6 +187,9 @@ class CannotBeatBestPruner(optuna.pruners.BasePruner):
         return bool(best) and value > min(best) * (1 + self.margin)
 
 
+WARM_TIMEOUT_S = 600.0  # floor of a warm-up request's timeout (see Campaign._warm_timeout_s)
+
+
 def _sampler(seed: int | None):
     # constant_liar: trials asked together (parallel gates, several workers) are spread out, not repeated.
     return optuna.samplers.TPESampler(multivariate=True, group=True, n_startup_trials=5, seed=seed,
@@ -573,7 +576,7 @@ class Campaign:
                 if self.stop.is_set() or not self._budget_left():
                     return
                 worker.request({"kind": "gate", **self.task(op, policy, self.default_schedule(op).to_dict(), seed=0)},
-                               cfg.trial_timeout_s)
+                               self._warm_timeout_s())
             t1 = time.monotonic()
             phases["default gate"] = t1 - t0
             self._warm_baselines(worker)
@@ -594,7 +597,7 @@ class Campaign:
                     return
                 gater.request(dict(kind="warm", op=op, policy=policy, K=cfg.K, V=cfg.V, device=cfg.device_kind,
                                    shapes=[list(x) for x in shapes], ours=False, with_fla=True,
-                                   autotune_part=[i, len(gaters)]), cfg.trial_timeout_s)
+                                   autotune_part=[i, len(gaters)]), self._warm_timeout_s())
 
         threads = [threading.Thread(target=run, args=(i, g), daemon=True) for i, g in enumerate(gaters)]
         for th in threads:
@@ -620,7 +623,13 @@ class Campaign:
                 return
             worker.request(dict(kind="warm", op=op, policy=policy, K=cfg.K, V=cfg.V, device=cfg.device_kind,
                                 shapes=[list(x) for x in shapes], ours=False, with_fla=True),
-                           cfg.trial_timeout_s)
+                           self._warm_timeout_s())
+
+    def _warm_timeout_s(self) -> float:
+        """A warm-up request compiles what a cold machine lacks (minutes of fla-core autotuning in one process):
+        the trial timeout would kill it and throw its progress away, so it gets at least ten minutes. A hang is
+        still cut off."""
+        return max(self.config.trial_timeout_s, WARM_TIMEOUT_S)
 
     def _settle(self, st: StudyState, pending: dict[str, Any], gate, worker: TrialWorker) -> None:
         # Ctrl-C or budget spent: the trial is re-enqueued (a gate cut short at the budget's end has no

@@ -126,9 +126,10 @@ def test_a_current_winner_stays_the_incumbent(planned):
 def _warm_stub(sent, lock=None):
     import threading
 
-    worker = types.SimpleNamespace(request=lambda msg, timeout: sent.append(msg) or Outcome("ok"))
+    worker = types.SimpleNamespace(request=lambda msg, timeout: sent.append({**msg, "_timeout": timeout})
+                                   or Outcome("ok"))
     device = types.SimpleNamespace(compute_capability=(9, 0))
-    config = types.SimpleNamespace(K=128, V=128, device_kind="cuda", trial_timeout_s=600, device=device,
+    config = types.SimpleNamespace(K=128, V=128, device_kind="cuda", trial_timeout_s=300, device=device,
                                    dtype="bf16", reps=3)
     states = [types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 512, 4), (1, 2048, 4)]),
               types.SimpleNamespace(op="gdn2", policy="R", shapes=[(1, 2048, 16)]),
@@ -140,6 +141,7 @@ def _warm_stub(sent, lock=None):
     obj.default_schedule = lambda op: tuner.Campaign.default_schedule(obj, op)
     obj.task = lambda *a, **kw: tuner.Campaign.task(obj, *a, **kw)
     obj._warm_baselines = lambda w: tuner.Campaign._warm_baselines(obj, w)
+    obj._warm_timeout_s = lambda: tuner.Campaign._warm_timeout_s(obj)
     return obj, worker
 
 
@@ -175,8 +177,9 @@ def test_the_gate_processes_precompile_fla_in_shares_before_the_measuring_proces
     log = []
     obj, worker = _warm_stub(log)
     obj._precompile_fla = lambda g: tuner.Campaign._precompile_fla(obj, g)
-    gaters = [types.SimpleNamespace(request=lambda msg, timeout, i=i: log.append({**msg, "gater": i}) or Outcome("ok"))
-              for i in range(2)]
+    gaters = [types.SimpleNamespace(request=lambda msg, timeout, i=i: log.append({**msg, "gater": i,
+                                                                                 "_timeout": timeout})
+                                    or Outcome("ok")) for i in range(2)]
     tuner.Campaign._warm_machine(obj, worker, 0, gaters)
     first_own = next(i for i, m in enumerate(log) if "gater" not in m)
     shares = log[:first_own]
@@ -185,6 +188,8 @@ def test_the_gate_processes_precompile_fla_in_shares_before_the_measuring_proces
     assert all(m["kind"] == "warm" and m["with_fla"] and not m["ours"] for m in shares)
     assert all("gater" not in m for m in log[first_own:])  # then the measuring process: gates, FLA baselines
     assert list(obj.warm_s[0]) == ["FLA precompile", "default gate", "FLA baselines"]
+    # a cold machine's compiling outlasts the 300 s trial timeout, which would kill it and lose its progress
+    assert {m["_timeout"] for m in log} == {tuner.WARM_TIMEOUT_S}
 
 
 def test_throughput_reports_the_warm_up_and_the_rate_after_it():
