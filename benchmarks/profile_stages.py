@@ -78,7 +78,11 @@ def variants_for(op: str, base):
         out["fscan-w8"] = base.replace(forward_scan={"num_warps": 8})
         out["fscan-bv64"] = base.replace(forward_scan={"block_v": 64})
     else:
+        # sm_90 cubins read on a CPU (session 6, GDN default): consumer 64 x 64 at 8 warps 1 272 B of stack,
+        # 32 x 64 360 B, 32 x 32 184 B; dv_local 320 B at 4 warps, none at 8
         out["cons32x64"] = base.replace(consumer_cfg={"block_k": 32, "block_v": 64})
+        out["cons32x32"] = base.replace(consumer_cfg={"block_k": 32, "block_v": 32})
+        out["dvl-w8"] = base.replace(dv_local={"num_warps": 8})
     return out
 
 
