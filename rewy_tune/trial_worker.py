@@ -11,9 +11,12 @@ Inside the worker (`_serve`):
   initial state and final-state gradient, zero beta, strong decay) and the run-twice bitwise check.
   Exceptions are classified: compilation failures → `compile_error`, anything else → `runtime_error`;
   gate failures → `incorrect`; run-twice mismatch → `nondeterministic`.
-- ``measure``: one workload shape. On CUDA `measure.measure_shape` against FLA (CUDA graphs, interleaved,
-  every sample). On the CPU the Triton interpreter is timed with `time.perf_counter` over a few
+- ``measure``: one workload shape. On CUDA `measure.measure_shape` against FLA (backward CUDA graphs,
+  interleaved, every sample; no FB, eager or memory figures, which trials do not keep). On the CPU the Triton interpreter is timed with `time.perf_counter` over a few
   interleaved repetitions against the torch reference backend: *interpreter timings*, never a GPU's.
+
+- ``warm``: each shape once, untimed (compiles into Triton's on-disk cache); with ``autotune_part`` only a share
+  of fla-core's autotuning configurations (`autotune_parts`).
 
 Test-only faults (`task["fault"]`, from `REWY_TUNE_TEST_FAULTS=1` spaces): hang, crash (a real segfault
 through ctypes), wrong (gradients off by 5 %), nondet (second run differs), compile (a compile error).
