@@ -12,9 +12,9 @@ Inside the worker (`_serve`):
   Exceptions are classified: compilation failures → `compile_error`, anything else → `runtime_error`;
   gate failures → `incorrect`; run-twice mismatch → `nondeterministic`.
 - ``measure``: one workload shape. On CUDA `measure.measure_shape` against FLA (backward CUDA graphs,
-  interleaved, every sample; no FB, eager or memory figures, which trials do not keep). On the CPU the Triton interpreter is timed with `time.perf_counter` over a few
-  interleaved repetitions against the torch reference backend: *interpreter timings*, never a GPU's.
-
+  interleaved, every sample; no FB, eager or memory figures, which trials do not keep). On the CPU the Triton
+  interpreter is timed with `time.perf_counter` over a few interleaved repetitions against the torch reference
+  backend: *interpreter timings*, never a GPU's.
 - ``warm``: each shape once, untimed (compiles into Triton's on-disk cache); with ``autotune_part`` only a share
   of fla-core's autotuning configurations (`autotune_parts`).
 
@@ -270,16 +270,15 @@ def _warm(msg: dict[str, Any]) -> dict[str, Any]:
     """`warmup.warm`'s request: each shape once, ours (unless ours=False) and (with_fla) FLA's, untimed.
     ``autotune_part=[i, n]``: FLA's autotuners compile only their i-th of n shares of configurations
     (`autotune_parts.config_part`), n gate processes splitting a cold machine's compiling between them."""
-    import contextlib
     import importlib
 
     from rewy_tune import autotune_parts
 
     part = msg.get("autotune_part")
-    if part is None:
+    if part is None or not msg.get("with_fla"):
         return _warm_shapes(msg)
-    importlib.import_module(autotune_parts.FLA_PACKAGES[msg["op"]])
-    with autotune_parts.config_part(*part) if msg.get("with_fla") else contextlib.nullcontext():
+    importlib.import_module(autotune_parts.FLA_PACKAGES[msg["op"]])  # its autotuners must exist to be split
+    with autotune_parts.config_part(*part):
         return _warm_shapes(msg)
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import optuna
 
-from rewy_tune import search
+from rewy_tune import search, warmup
 from rewy_tune.device import Device, Environment
 from rewy_tune.problem import OPS, Bucket, Problem
 from rewy_tune.schedule import Schedule
@@ -585,25 +585,12 @@ class Campaign:
             self._timed_at_warm = self.stats["timed"]
 
     def _precompile_fla(self, gaters: list[TrialWorker]) -> None:
-        """Each gate process runs FLA at the workload shapes with its share of every autotuner's configurations
-        (`autotune_parts.config_part`), all at once: the compiling one process would do config after config is
-        spread over len(gaters) processes. Failures are left to the later warm-up and measurements to report."""
+        """The gate processes compile fla-core's autotuning configurations at the workload shapes, each its share,
+        all at once (`warmup.precompile_fla_shares`)."""
         cfg = self.config
-        groups = self._groups()
-
-        def run(i: int, gater: TrialWorker) -> None:
-            for (op, policy), shapes in groups.items():
-                if self.stop.is_set() or not self._budget_left():
-                    return
-                gater.request(dict(kind="warm", op=op, policy=policy, K=cfg.K, V=cfg.V, device=cfg.device_kind,
-                                   shapes=[list(x) for x in shapes], ours=False, with_fla=True,
-                                   autotune_part=[i, len(gaters)]), self._warm_timeout_s())
-
-        threads = [threading.Thread(target=run, args=(i, g), daemon=True) for i, g in enumerate(gaters)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        groups = {(op, policy, cfg.K, cfg.V): shapes for (op, policy), shapes in self._groups().items()}
+        warmup.precompile_fla_shares(groups, gaters, self._warm_timeout_s(),
+                                     go_on=lambda: not self.stop.is_set() and self._budget_left())
 
     def _groups(self) -> dict[tuple[str, str], list[tuple[int, ...]]]:
         """(operator, policy) -> every workload shape of its buckets."""
@@ -621,9 +608,7 @@ class Campaign:
         for (op, policy), shapes in self._groups().items():
             if self.stop.is_set() or not self._budget_left():
                 return
-            worker.request(dict(kind="warm", op=op, policy=policy, K=cfg.K, V=cfg.V, device=cfg.device_kind,
-                                shapes=[list(x) for x in shapes], ours=False, with_fla=True),
-                           self._warm_timeout_s())
+            worker.request(warmup.fla_warm_request(op, policy, shapes, cfg.K, cfg.V), self._warm_timeout_s())
 
     def _warm_timeout_s(self) -> float:
         """A warm-up request compiles what a cold machine lacks (minutes of fla-core autotuning in one process):

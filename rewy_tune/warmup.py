@@ -71,18 +71,36 @@ def _in_threads(fn, workers: list[TrialWorker]) -> None:
         th.join()
 
 
+def fla_warm_request(op: str, policy: str, shapes, K: int, V: int, part: list[int] | None = None) -> dict[str, Any]:
+    """A worker request that runs FLA once at each shape, untimed (our side not at all); with part=[i, n] its
+    autotuners compile only their i-th share of configurations (`autotune_parts.config_part`)."""
+    msg = {"kind": "warm", "device": "cuda", "op": op, "policy": policy, "shapes": [list(s) for s in shapes],
+           "K": K, "V": V, "ours": False, "with_fla": True}
+    if part is not None:
+        msg["autotune_part"] = list(part)
+    return msg
+
+
+def precompile_fla_shares(groups: dict[tuple[str, str, int, int], list], workers: list[TrialWorker],
+                          timeout_s: float, go_on=lambda: True) -> None:
+    """Every worker at once runs FLA at the shapes of each (op, policy, K, V) group with its share of the
+    autotuners' configurations, so fla-core's kernels compile in parallel instead of config after config in one
+    process. `go_on()` False stops a worker before its next request. Outcomes are left to later runs to report."""
+    def share(i: int, worker: TrialWorker) -> None:
+        for (op, policy, K, V), shapes in groups.items():
+            if not go_on():
+                return
+            worker.request(fla_warm_request(op, policy, shapes, K, V, part=[i, len(workers)]), timeout_s)
+
+    _in_threads(share, workers)
+
+
 def _precompile_fla_shares(tasks: list[WarmTask], workers: list[TrialWorker], timeout_s: float) -> None:
     groups: dict[tuple[str, str, int, int], list] = {}
     for t in tasks:
         if t.with_fla:
-            groups.setdefault((t.op, t.policy, t.K, t.V), []).extend(list(s) for s in t.shapes)
-
-    def share(i: int, worker: TrialWorker) -> None:
-        for (op, policy, K, V), shapes in groups.items():
-            worker.request({"kind": "warm", "device": "cuda", "op": op, "policy": policy, "shapes": shapes, "K": K,
-                            "V": V, "ours": False, "with_fla": True, "autotune_part": [i, len(workers)]}, timeout_s)
-
-    _in_threads(share, workers)
+            groups.setdefault((t.op, t.policy, t.K, t.V), []).extend(t.shapes)
+    precompile_fla_shares(groups, workers, timeout_s)
 
 
 def _run_tasks(tasks: list[WarmTask], workers: list[TrialWorker], timeout_s: float,
