@@ -144,18 +144,20 @@ AOT_SM90 = [
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 128, 4, 3)), 181248),
     ("forward_scan", 256, 2, dict(forward_scan=StageConfig(256, 64, 8, 2)), 181248),
     ("forward_scan", 256, 2, dict(forward_scan=StageConfig(256, 128, 8, 2)), 197632),
-    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(64, 64, 8, 2)), 163840),  # H200 default
-    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(64, 64, 8, 3)), 221184),
-    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(128, 64, 8, 2)), 204800),
-    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(128, 64, 8, 3)), 294912),
-    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(32, 64, 8, 3)), 184320),
-    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(128, 16, 8, 1)), 131072),
-    ("consumer_cfg", 128, 2, dict(state_dtype="input", consumer_cfg=StageConfig(64, 64, 8, 3)), 180224),
-    ("consumer_cfg", 128, 2, dict(**SEP, consumer_cfg=StageConfig(64, 64, 8, 3)), 180224),
-    ("consumer_cfg", 128, 2, dict(**SEP, pd_dtype="input", consumer_cfg=StageConfig(128, 128, 8, 1)), 164352),
-    ("consumer_cfg", 256, 2, dict(consumer_cfg=StageConfig(64, 128, 8, 2)), 253952),
-    ("consumer_cfg", 256, 2, dict(**SEP, consumer_cfg=StageConfig(64, 64, 8, 3)), 180224),
-    ("consumer_cfg", 128, 4, dict(consumer_cfg=StageConfig(64, 64, 8, 1)), 163840),  # fp32 inputs
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(64, 64, 8, 2)), 65536),
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(32, 128, 8, 2)), 90112),  # H200 default
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(32, 64, 8, 1)), 32768),
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(64, 64, 8, 3)), 98304),
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(128, 64, 8, 2)), 106496),
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(128, 64, 8, 3)), 172032),
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(32, 64, 8, 3)), 65536),
+    ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(128, 16, 8, 1)), 40960),
+    ("consumer_cfg", 128, 2, dict(state_dtype="input", consumer_cfg=StageConfig(64, 64, 8, 3)), 70144),
+    ("consumer_cfg", 128, 2, dict(**SEP, consumer_cfg=StageConfig(64, 64, 8, 3)), 66048),
+    ("consumer_cfg", 128, 2, dict(**SEP, pd_dtype="input", consumer_cfg=StageConfig(128, 128, 8, 1)), 116736),
+    ("consumer_cfg", 256, 2, dict(consumer_cfg=StageConfig(64, 128, 8, 2)), 122880),
+    ("consumer_cfg", 256, 2, dict(**SEP, consumer_cfg=StageConfig(64, 64, 8, 3)), 66048),
+    ("consumer_cfg", 128, 4, dict(consumer_cfg=StageConfig(64, 64, 8, 1)), 98816),  # fp32 inputs
     ("dv_local", 128, 2, dict(dv_local=StageConfig(128, 128, 4, 2)), 65536),  # H200 default
     ("dv_local", 128, 2, dict(dv_local=StageConfig(16, 64, 4, 3)), 49152),
     ("dv_local", 128, 4, dict(dv_local=StageConfig(64, 64, 8, 3)), 81920),  # fp32 inputs

@@ -26,8 +26,9 @@ use ``tl.dot(..., input_precision=IPREC)`` on fp32 operands (no tf32/bf16 roundi
 The input-side products (dO Rᵀ, AᵀR̄, P S0ᵀ, dO S0ᵀ, R dS1ᵀ) read input-dtype storage with fp32 accumulation.
 
 Transposes: as in local.py (FLA issue 640, Triton 3.6 on Hopper), no ``tl.dot`` result is transposed in registers.
-Transposed operands are loaded transposed from memory; the column-side X_y is produced as a [BK, C] tile and
-turned into rows through an fp32 scratch buffer (transposed store, CTA barrier, row load).
+Transposed operands are loaded transposed from memory. The consumer writes H_< and D once per chunk to an fp32
+scratch [B,T,H,2C] (CTA barrier) and reads them back in 16-row slices, Hᵀ and Dᵀ slices by transposed loads, so
+the column side X_y = ζ⊙(HᵀQ̃ + DᵀẼ) comes out in row layout like X_q and X_e.
 """
 
 from __future__ import annotations
@@ -223,10 +224,27 @@ def dv_local_aqk(Aqk, do, *, chunk_size: int = 64, BV: int = 64, num_warps: int 
 # --------------------------------------------------------------------------------------------------
 # Consumer (joint or separate), centred matrix intra with the sub-chunk fallback
 # --------------------------------------------------------------------------------------------------
+# Register budget. Triton lowers an fp32 "ieee" tl.dot to FMAs after loading each thread's whole rows of the
+# left operand and columns of the right one into registers: a [C, C] × [C, BK] product at C = 64 holds
+# ~400 values per thread and the consumer spilled 2.5 KB per thread on sm_90 (ncu: 15 M spill requests,
+# 55 % of KDA's backward). So the intra products here never take a [C, C] register operand: H and D go to
+# an fp32 scratch once per chunk, and every product walks the chunk in BC-row slices, each slice of H, Hᵀ,
+# D, Dᵀ (a transposed load: no register transpose, FLA issue 640) and of the α/ζ-scaled operands loaded from
+# memory (L1/L2) at the moment it is used.
+@triton.jit
+def _erase_rows(erase, tok_r, p_rk, m_rk, m_r, ERASE_VEC: tl.constexpr, BK: tl.constexpr):
+    """Erase factor rows [R, BK] fp32: GDN2's b per channel, KDA's β broadcast over the feature tile."""
+    if ERASE_VEC:
+        b = tl.load(erase + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+    else:
+        b = tl.load(erase + tok_r, mask=m_r, other=0.0).to(tl.float32)[:, None] + tl.zeros([1, BK], tl.float32)
+    return b
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-    dq, dk, dv, xcol, gbar, derase, dwrite, paths,
+    dq, dk, dv, hd, gbar, derase, dwrite, paths,
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
@@ -248,9 +266,16 @@ def rewy_bwd_kernel_consumer_vector(
     m_lt = (o_i[:, None] > o_i[None, :]) & m_cc
     blk = (o_i // BC) * BC
     NK: tl.constexpr = (K + BK - 1) // BK
+    NC: tl.constexpr = BT // BC
+    # H_< and D: rows of 2·BT fp32 in the scratch (H then D); the separate consumer reads D from the producer.
+    HS: tl.constexpr = 2 * BT
+    if JOINT:
+        d_base = hd + BT
+        DS: tl.constexpr = 2 * BT
+    else:
+        d_base = D
+        DS: tl.constexpr = BT
 
-    if not ERASE_VEC:
-        b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
     if not WRITE_VEC:
         b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
     if JOINT:
@@ -288,20 +313,132 @@ def rewy_bwd_kernel_consumer_vector(
         else:
             b_dwr += tl.sum(b_vv * b_p, axis=1)
             tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
+    p_hd = tok[:, None] * HS + o_i[None, :]
+    tl.store(hd + p_hd, tl.where(m_lt, b_H, 0.0), mask=m_row[:, None])  # H_<: the diagonal enters elementwise
     if JOINT:
-        b_D = tl.where(m_lt, -b_D, 0.0)
-    else:
-        b_D = tl.load(D + tok[:, None] * BT + o_i[None, :], mask=m_lt, other=0.0).to(tl.float32)
-    b_H = tl.where(m_lt, b_H, 0.0)  # H_<: the diagonal enters elementwise (self-term split)
+        tl.store(hd + p_hd + BT, tl.where(m_lt, -b_D, 0.0), mask=m_row[:, None])
+    tl.debug_barrier()  # the slices below are read by other threads of this program
 
     # Phase 2, per feature tile (a run-time loop: one copy of the large body, whatever K / BK).
     for i_k in range(0, NK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_rk = m_row[:, None] & m_k[None, :]
-        m_kr = m_k[:, None] & m_row[None, :]
         p_rk = tok[:, None] * K + o_k[None, :]
-        p_kr = tok[None, :] * K + o_k[:, None]
+
+        # ---- intra contractions X_q, X_e, X_y, all [BT, BK] rows
+        b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_c, delta = _tile_range(b_g, m_row, m_k)
+        use_centred = _use_centred(delta, INTRA, MAX_RANGE)
+        tl.store(paths + (i_bh * NT + i_t) * NK + i_k, tl.where(use_centred, 1, 2))
+        if use_centred:
+            b_uq = tl.zeros([BT, BK], dtype=tl.float32)
+            b_ue = tl.zeros([BT, BK], dtype=tl.float32)
+            b_uy = tl.zeros([BT, BK], dtype=tl.float32)
+            for i_c in range(0, NC):  # inner dimension of the four products, BC rows at a time
+                o_j = i_c * BC + tl.arange(0, BC)
+                m_j = o_j < n_rows
+                tok_j = (i_b * T + t0 + o_j) * H + i_h
+                p_jk = tok_j[:, None] * K + o_k[None, :]
+                m_jk = m_j[:, None] & m_k[None, :]
+                b_cj = tl.where(m_jk, tl.load(G + p_jk, mask=m_jk, other=0.0) - b_c[None, :], 0.0)
+                b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
+                b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
+                b_ej = _erase_rows(erase, tok_j, p_jk, m_jk, m_j, ERASE_VEC, BK)
+                b_aj = tl.exp(b_cj)
+                b_yj = b_kj * tl.exp(-b_cj)
+                # H[:, J], D[:, J] (columns J of every row) and Hᵀ[:, J], Dᵀ[:, J] (rows J, loaded transposed).
+                m_col = m_row[:, None] & m_j[None, :]
+                m_up = (o_i[:, None] < o_j[None, :]) & m_col
+                m_lo = (o_i[:, None] > o_j[None, :]) & m_col
+                b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_lo, other=0.0)
+                b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
+                b_hr = tl.load(hd + tok_j[None, :] * HS + o_i[:, None], mask=m_up, other=0.0)
+                b_dr = tl.load(d_base + tok_j[None, :] * DS + o_i[:, None], mask=m_up, other=0.0).to(tl.float32)
+                b_uq = tl.dot(b_hc, b_yj, b_uq, input_precision=IPREC)
+                b_ue = tl.dot(b_dc, b_yj, b_ue, input_precision=IPREC)
+                b_uy = tl.dot(b_hr, scale * b_qj * b_aj, b_uy, input_precision=IPREC)
+                b_uy = tl.dot(b_dr, b_ej * b_kj * b_aj, b_uy, input_precision=IPREC)
+            b_cr = tl.where(m_rk, b_g - b_c[None, :], 0.0)
+            b_xq = tl.exp(b_cr) * b_uq
+            b_xe = tl.exp(b_cr) * b_ue
+            b_xy = tl.exp(-b_cr) * b_uy
+        else:
+            b_xq = tl.zeros([BT, BK], dtype=tl.float32)
+            b_xe = tl.zeros([BT, BK], dtype=tl.float32)
+            b_xy = tl.zeros([BT, BK], dtype=tl.float32)
+            # Off-diagonal block pairs (I after J), anchored so that every exponent is ≤ 0 for g ≤ 0.
+            for i_c in range(0, NC - 1):  # run-time loops: one copy of the four fp32 products (compile time)
+                j0 = i_c * BC
+                o_j = j0 + tl.arange(0, BC)
+                m_j = o_j < n_rows
+                tok_j = (i_b * T + t0 + o_j) * H + i_h
+                p_jk = tok_j[:, None] * K + o_k[None, :]
+                m_jk = m_j[:, None] & m_k[None, :]
+                b_gj = tl.load(G + p_jk, mask=m_jk, other=0.0)
+                b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
+                # Column side anchor: the last row z of J.
+                z = j0 + BC - 1
+                b_gz = tl.load(G + ((i_b * T + t0 + z) * H + i_h) * K + o_k, mask=m_k & (z < n_rows), other=0.0)
+                # (no row after J: ζ stays 0, so an unbounded exp(G_z - G) never meets a 0 product)
+                m_rj = ((o_i >= j0) & (o_i <= z) & m_row & (z + 1 < n_rows))[:, None] & m_k[None, :]
+                b_zr = tl.exp(tl.where(m_rj, b_gz[None, :] - b_g, float("-inf")))
+                for i_i in range(i_c + 1, NC):
+                    i0 = i_i * BC
+                    o_ii = i0 + tl.arange(0, BC)
+                    m_ii = o_ii < n_rows
+                    tok_ii = (i_b * T + t0 + o_ii) * H + i_h
+                    p_ik = tok_ii[:, None] * K + o_k[None, :]
+                    m_ik = m_ii[:, None] & m_k[None, :]
+                    # Row side: rows of I against the columns of J, anchored at I's first row.
+                    b_ga = tl.load(G + ((i_b * T + t0 + i0) * H + i_h) * K + o_k, mask=m_k & (i0 < n_rows),
+                                   other=0.0)
+                    b_yj = b_kj * tl.exp(tl.where(m_jk & (i0 < n_rows), b_ga[None, :] - b_gj, float("-inf")))
+                    m_ri = (o_i >= i0) & (o_i < i0 + BC) & m_row
+                    m_blk = m_ri[:, None] & m_j[None, :]
+                    b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_blk, other=0.0)
+                    b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_blk, other=0.0).to(tl.float32)
+                    b_al = tl.exp(tl.where(m_ri[:, None] & m_k[None, :], b_g - b_ga[None, :], float("-inf")))
+                    b_xq += b_al * tl.dot(b_hc, b_yj, input_precision=IPREC)
+                    b_xe += b_al * tl.dot(b_dc, b_yj, input_precision=IPREC)
+                    # Column side: rows of J (as X_y rows) against the rows of I after them, anchored at z.
+                    b_gi = tl.load(G + p_ik, mask=m_ik, other=0.0)
+                    b_af = tl.exp(tl.where(m_ik, b_gi - b_gz[None, :], float("-inf")))
+                    b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+                    b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+                    b_ei = _erase_rows(erase, tok_ii, p_ik, m_ik, m_ii, ERASE_VEC, BK)
+                    m_bt = ((o_i >= j0) & (o_i <= z) & m_row)[:, None] & m_ii[None, :]
+                    b_hr = tl.load(hd + tok_ii[None, :] * HS + o_i[:, None], mask=m_bt, other=0.0)
+                    b_dr = tl.load(d_base + tok_ii[None, :] * DS + o_i[:, None], mask=m_bt, other=0.0).to(tl.float32)
+                    b_u = tl.dot(b_hr, scale * b_qi * b_af, input_precision=IPREC)
+                    b_u = tl.dot(b_dr, b_ei * b_ki * b_af, b_u, input_precision=IPREC)
+                    b_xy += b_zr * b_u
+            # Diagonal blocks, exact pairwise Λ: row i meets the row c = (its block start) + d of its own block.
+            for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
+                o_c = blk + d
+                m_c = o_c < n_rows
+                tok_c = (i_b * T + t0 + o_c) * H + i_h
+                p_c = tok_c[:, None] * K + o_k[None, :]
+                m_ck = m_c[:, None] & m_k[None, :]
+                b_kc = tl.load(k + p_c, mask=m_ck, other=0.0).to(tl.float32)
+                b_gc = tl.load(G + p_c, mask=m_ck, other=0.0)
+                # Row side (c < i): X_q,i += H_ic k_c Λ_ic, X_e,i += D_ic k_c Λ_ic.
+                m_ci = (o_c < o_i) & m_row
+                b_lam = tl.exp(tl.where(m_ci[:, None] & m_k[None, :], b_g - b_gc, float("-inf")))
+                b_hi = tl.load(hd + tok * HS + o_c, mask=m_ci, other=0.0)
+                b_di = tl.load(d_base + tok * DS + o_c, mask=m_ci, other=0.0).to(tl.float32)
+                b_xq += b_hi[:, None] * b_kc * b_lam
+                b_xe += b_di[:, None] * b_kc * b_lam
+                # Column side (c > i): X_y,i += Λ_ci (H_ci s q_c + D_ci e_c k_c).
+                m_ic = (o_c > o_i) & m_c
+                b_qc = tl.load(q + p_c, mask=m_ck, other=0.0).to(tl.float32)
+                b_ec = _erase_rows(erase, tok_c, p_c, m_ck, m_c, ERASE_VEC, BK)
+                b_lamt = tl.exp(tl.where(m_ic[:, None] & m_k[None, :], b_gc - b_g, float("-inf")))
+                b_hc = tl.load(hd + tok_c * HS + o_i, mask=m_ic, other=0.0)
+                b_dc = tl.load(d_base + tok_c * DS + o_i, mask=m_ic, other=0.0).to(tl.float32)
+                b_xy += b_lamt * (b_hc[:, None] * scale * b_qc + b_dc[:, None] * b_ec * b_kc)
+
+        # ---- inter (state) products of this feature tile over V
         b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
@@ -328,108 +465,16 @@ def rewy_bwd_kernel_consumer_vector(
             b_qg += mm(b_do.to(DT), b_s0t.to(DT), PREC)
             b_kt += mm(b_r.to(DT), b_ds1t.to(DT), PREC)
 
-        # ---- elementwise factors of this feature tile (row layout [BT, BK] and transposed [BK, BT])
-        b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-        b_gt = tl.load(G + p_kr, mask=m_kr, other=0.0).to(tl.float32)
+        # ---- chain rules of this feature tile
         b_q = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-        b_qt = tl.load(q + p_kr, mask=m_kr, other=0.0).to(tl.float32)
-        b_ktr = tl.load(k + p_kr, mask=m_kr, other=0.0).to(tl.float32)
-        if ERASE_VEC:
-            b_ev = tl.load(erase + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-            b_ekt = b_ktr * tl.load(erase + p_kr, mask=m_kr, other=0.0).to(tl.float32)
-        else:
-            b_ev = b_e[:, None] + tl.zeros([BT, BK], dtype=tl.float32)
-            b_ekt = b_ktr * b_e[None, :]
-        b_sqt = scale * b_qt
+        b_ev = _erase_rows(erase, tok, p_rk, m_rk, m_row, ERASE_VEC, BK)
         b_gn = tl.sum(tl.where(is_last[:, None], b_g, 0.0), axis=0)
         b_gamma = tl.where(m_rk, tl.exp(b_g), 0.0)
         b_tau = tl.where(m_rk, tl.exp(b_gn[None, :] - b_g), 0.0)
-
-        # ---- intra contractions: X_q, X_e rows [BT, BK]; X_y transposed [BK, BT]
-        b_c, delta = _tile_range(b_g, m_row, m_k)
-        use_centred = _use_centred(delta, INTRA, MAX_RANGE)
-        tl.store(paths + (i_bh * NT + i_t) * NK + i_k, tl.where(use_centred, 1, 2))
-        if use_centred:
-            b_a = tl.exp(tl.where(m_rk, b_g - b_c[None, :], 0.0))
-            b_y = b_k * tl.exp(tl.where(m_rk, b_c[None, :] - b_g, 0.0))
-            b_ct = b_gt - b_c[:, None]
-            b_at_ = tl.exp(tl.where(m_kr, b_ct, 0.0))
-            b_zt = tl.exp(tl.where(m_kr, -b_ct, 0.0))
-            b_xq = b_a * tl.dot(b_H, b_y, input_precision=IPREC)
-            b_xe = b_a * tl.dot(b_D, b_y, input_precision=IPREC)
-            b_uyt = tl.dot(b_sqt * b_at_, b_H, input_precision=IPREC)
-            b_uyt = tl.dot(b_ekt * b_at_, b_D, b_uyt, input_precision=IPREC)
-            b_xyt = b_zt * b_uyt
-        else:
-            b_xq = tl.zeros([BT, BK], dtype=tl.float32)
-            b_xe = tl.zeros([BT, BK], dtype=tl.float32)
-            b_xyt = tl.zeros([BK, BT], dtype=tl.float32)
-            for ib in range(0, BT // BC):  # run-time: one copy of the four fp32 products (compile time)
-                a = ib * BC
-                z = a + BC - 1
-                if ib > 0:
-                    # Row side: block I = [a, a+BC) against the columns before it, anchored at row a.
-                    b_ga = tl.sum(tl.where((o_i == a)[:, None], b_g, 0.0), axis=0)
-                    m_y = ((o_i < a) & m_row & (a < n_rows))[:, None] & m_k[None, :]
-                    b_y = b_k * tl.exp(tl.where(m_y, b_ga[None, :] - b_g, float("-inf")))
-                    m_a = ((o_i >= a) & (o_i <= z) & m_row)[:, None] & m_k[None, :]
-                    b_a = tl.exp(tl.where(m_a, b_g - b_ga[None, :], float("-inf")))
-                    b_xq += b_a * tl.dot(b_H, b_y, input_precision=IPREC)
-                    b_xe += b_a * tl.dot(b_D, b_y, input_precision=IPREC)
-                if ib < BT // BC - 1:
-                    # Column side: block I against the rows after it, anchored at row z.
-                    b_gz = tl.sum(tl.where((o_i == z)[None, :], b_gt, 0.0), axis=1)
-                    has_after = z + 1 < n_rows
-                    m_af = m_k[:, None] & ((o_i > z) & m_row & has_after)[None, :]
-                    b_af = tl.exp(tl.where(m_af, b_gt - b_gz[:, None], float("-inf")))
-                    m_z = m_k[:, None] & ((o_i >= a) & (o_i <= z) & m_row & has_after)[None, :]
-                    b_zt = tl.exp(tl.where(m_z, b_gz[:, None] - b_gt, float("-inf")))
-                    b_uyt = tl.dot(b_sqt * b_af, b_H, input_precision=IPREC)
-                    b_uyt = tl.dot(b_ekt * b_af, b_D, b_uyt, input_precision=IPREC)
-                    b_xyt += b_zt * b_uyt
-            # Diagonal blocks, exact pairwise Λ.
-            for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
-                # Row side: row i meets column j(i) = block start + d, j < i.
-                o_j = blk + d
-                m_j = (o_j < o_i) & m_row
-                m_jk = m_j[:, None] & m_k[None, :]
-                p_j = ((i_b * T + t0 + o_j) * H + i_h)[:, None] * K + o_k[None, :]
-                b_kj = tl.load(k + p_j, mask=m_jk, other=0.0).to(tl.float32)
-                b_gj = tl.load(G + p_j, mask=m_jk, other=0.0).to(tl.float32)
-                b_lam = tl.exp(tl.where(m_jk, b_g - b_gj, float("-inf")))
-                sel = o_i[None, :] == o_j[:, None]
-                b_hj = tl.sum(tl.where(sel, b_H, 0.0), axis=1)
-                b_dj = tl.sum(tl.where(sel, b_D, 0.0), axis=1)
-                b_xq += b_hj[:, None] * b_kj * b_lam
-                b_xe += b_dj[:, None] * b_kj * b_lam
-                # Column side (transposed): column j meets row i(j) = block start + d, i > j.
-                m_i = (o_j > o_i) & (o_j < n_rows)
-                m_ki = m_k[:, None] & m_i[None, :]
-                p_it = ((i_b * T + t0 + o_j) * H + i_h)[None, :] * K + o_k[:, None]
-                b_qi = tl.load(q + p_it, mask=m_ki, other=0.0).to(tl.float32)
-                b_ki = tl.load(k + p_it, mask=m_ki, other=0.0).to(tl.float32)
-                b_gi = tl.load(G + p_it, mask=m_ki, other=0.0).to(tl.float32)
-                if ERASE_VEC:
-                    b_eki = b_ki * tl.load(erase + p_it, mask=m_ki, other=0.0).to(tl.float32)
-                else:
-                    b_eki = b_ki * tl.load(erase + (i_b * T + t0 + o_j) * H + i_h, mask=m_i,
-                                           other=0.0).to(tl.float32)[None, :]
-                b_lamt = tl.exp(tl.where(m_ki, b_gi - b_gt, float("-inf")))
-                selt = o_i[:, None] == o_j[None, :]
-                b_hi = tl.sum(tl.where(selt, b_H, 0.0), axis=0)
-                b_di = tl.sum(tl.where(selt, b_D, 0.0), axis=0)
-                b_xyt += b_lamt * (b_hi[None, :] * scale * b_qi + b_di[None, :] * b_eki)
-
-        # X_y rows through memory (no register transpose of dot results, FLA issue 640).
-        tl.store(xcol + p_kr, b_xyt, mask=m_kr)
-        tl.debug_barrier()
-        b_xy = tl.load(xcol + p_rk, mask=m_rk, other=0.0)
-
-        b_edir = -b_pe
         b_hs = (scale * b_hd)[:, None]
         b_dq = scale * b_gamma * b_qg + scale * b_xq + b_hs * b_k
-        b_ge = b_gamma * b_edir + b_xe
+        b_ge = b_xe - b_gamma * b_pe  # γ Ē_dir + X_e
         b_dk = b_ev * b_ge + b_xy + b_tau * b_kt + b_hs * b_q
         tl.store(dq + p_rk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
         tl.store(dk + p_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
@@ -502,7 +547,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    xcol = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    hd = torch.empty(B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)  # H_< | D rows
     gbar = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     derase = torch.empty_like(erase)
     dwrite = torch.empty_like(write)
@@ -510,7 +555,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
     rewy_bwd_kernel_consumer_vector[(NT, B * H)](
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-        dq, dk, dv, xcol, gbar, derase, dwrite, paths,
+        dq, dk, dv, hd, gbar, derase, dwrite, paths,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
         ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
