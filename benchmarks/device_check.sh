@@ -10,7 +10,8 @@
 # counters of one backward's local kernels, benchmarks/one_backward.py), models
 # (benchmarks/model_check.py).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
-# a one-worker campaign on GPU 0.
+# a one-worker campaign on GPU 0. The background steps write under bg/ (OUT and results); BG_SWEEP_OPS gives them
+# their own operator for a sweep (e.g. STEPS=sweep SWEEP_OPS=gdn BG_STEPS=sweep BG_SWEEP_OPS=deltanet).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
 # PYTHONSAFEPATH: the checkout's rewy_tune/ folder must not shadow the installed namespace, in any
@@ -73,7 +74,9 @@ step_models() {
 }
 bg=
 if [ -n "${BG_STEPS:-}" ]; then
-  ( export CUDA_VISIBLE_DEVICES="${BG_GPU:-1}"; for s in $BG_STEPS; do "step_$s"; done ) > "$OUT/background.log" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES="${BG_GPU:-1}" SWEEP_OPS="${BG_SWEEP_OPS:-${SWEEP_OPS:-all}}"
+    export OUT="$OUT/bg" RES="$RES/bg"; mkdir -p "$OUT" "$RES"
+    for s in $BG_STEPS; do "step_$s"; done ) > "$OUT/background.log" 2>&1 &
   bg=$!
 fi
 for s in ${STEPS:-tests bench}; do "step_$s"; done

@@ -56,27 +56,21 @@ def variants_for(op: str, base):
         "separate": base.replace(consumer="separate"),
     }
     if op in ("kda", "gdn2"):
-        # The best trial of the first H200 gdn2 campaign (1,2048,4): separate producer, narrow consumer and
-        # dv_local tiles; here without and with its sequence-split scans.
-        narrow = base.replace(consumer="separate", consumer_cfg={"block_k": 16, "block_v": 64, "num_warps": 4,
-                                                                 "num_stages": 1},
-                              dv_local={"block_k": 16, "block_v": 16, "num_warps": 8, "num_stages": 2},
-                              producer={"block_v": 16, "num_warps": 8, "num_stages": 2})
-        out["narrow-sep"] = narrow
-        out["narrow-sep-seg4/8"] = narrow.replace(forward_scan_segments=4, reverse_scan_segments=8)
-        out["cons16x64w4"] = base.replace(consumer_cfg={"block_k": 16, "block_v": 64, "num_warps": 4,
-                                                        "num_stages": 1})
-        out["dvl16x16w8"] = base.replace(dv_local={"block_k": 16, "block_v": 16, "num_warps": 8, "num_stages": 2})
+        # Session 7's consumer takes its fp32 intra products in 16-row slices of H and D from an fp32 scratch
+        # (no [C, C] register operand). sm_90 cubins read on a CPU (benchmarks/compile_times.py), stack frame per
+        # thread at 32 x 128, 8 warps: 2 stages 2 080 B (the old consumer 2 600 B), 1 stage 1 016 B; 32 x 64:
+        # 784 B / 248 B; 32 x 32, 1 stage: 208 B. Which of them is fastest is what these measure.
+        # Session 7 sweep 1 (KDA (1, 8192, 16), R): 32 x 128 with 2 stages 3.41 ms, 1 stage 2.48; 32 x 64 1 stage
+        # 2.54; 64 x 64 1 stage 2.21 (the new default); 4 warps 32 x 64 2.32. Around the new default:
+        for name, cfg in (("cons-32x128", {"block_k": 32, "block_v": 128}), ("cons-128x64", {"block_k": 128}),
+                          ("cons-64x32", {"block_v": 32}), ("cons-64x128", {"block_v": 128}),
+                          ("cons-128x32", {"block_k": 128, "block_v": 32}), ("cons-w4", {"num_warps": 4})):
+            out[name] = base.replace(consumer_cfg=cfg)
         out["tf32x3"] = base.replace(intra_precision="tf32x3")
-        out["dvl-from-fwd"] = base.replace(dv_local_source="forward")  # dv_local from the forward's Aqk
-        # Register pressure read off the sm_90 cubins on a CPU (`compile_times.py`, session 6): the consumer's stack
-        # frame is 2 504 B per thread at block_v 128 and 952 B at 64 (520 B with block_k 16); the forward scan's
-        # 1 624 B at 4 warps is 376 B at 8 warps and 616 B at block_v 64. Whether fewer spills buy time is what
-        # these measure.
-        out["cons-bv64"] = base.replace(consumer_cfg={"block_v": 64})
-        out["cons-bk16-bv64"] = base.replace(consumer_cfg={"block_k": 16, "block_v": 64})
         out["fscan-w8"] = base.replace(forward_scan={"num_warps": 8})
         out["fscan-bv64"] = base.replace(forward_scan={"block_v": 64})
+        for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
+            out.pop(name)
     else:
         # sm_90 cubins read on a CPU (session 6, GDN default): consumer 64 x 64 at 8 warps 1 272 B of stack,
         # 32 x 64 360 B, 32 x 32 184 B; dv_local 320 B at 4 warps, none at 8
