@@ -77,6 +77,10 @@ def variants_for(op: str, base):
         out["cons32x64"] = base.replace(consumer_cfg={"block_k": 32, "block_v": 64})
         out["cons32x32"] = base.replace(consumer_cfg={"block_k": 32, "block_v": 32})
         out["dvl-w8"] = base.replace(dv_local={"num_warps": 8})
+        # Session 7: the vector consumer lost ~1 ms to 2-stage pipelining (3.41 -> 2.48 ms at 1 stage); the scalar
+        # consumer (0.26 of GDN's 0.47 ms at (2, 2048, 16)) runs 2 stages and has not been timed at 1.
+        out["cons-s1"] = base.replace(consumer_cfg={"num_stages": 1})
+        out["cons-s1-dvl-w8"] = base.replace(consumer_cfg={"num_stages": 1}, dv_local={"num_warps": 8})
     return out
 
 
