@@ -241,6 +241,15 @@ def _erase_rows(erase, tok_r, p_rk, m_rk, m_r, ERASE_VEC: tl.constexpr, BK: tl.c
     return b
 
 
+@triton.jit
+def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
+    """Rows o of the chunk (chunk-local indices): valid mask, token index, [rows, BK] offsets and mask of the
+    feature tile o_k."""
+    m = o < n_rows
+    tok = (i_b * T + t0 + o) * H + i_h
+    return m, tok, tok[:, None] * K + o_k[None, :], m[:, None] & m_k[None, :]
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
@@ -337,10 +346,7 @@ def rewy_bwd_kernel_consumer_vector(
             b_uy = tl.zeros([BT, BK], dtype=tl.float32)
             for i_c in range(0, NC):  # inner dimension of the four products, BC rows at a time
                 o_j = i_c * BC + tl.arange(0, BC)
-                m_j = o_j < n_rows
-                tok_j = (i_b * T + t0 + o_j) * H + i_h
-                p_jk = tok_j[:, None] * K + o_k[None, :]
-                m_jk = m_j[:, None] & m_k[None, :]
+                m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                 b_cj = tl.where(m_jk, tl.load(G + p_jk, mask=m_jk, other=0.0) - b_c[None, :], 0.0)
                 b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
                 b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
@@ -371,10 +377,7 @@ def rewy_bwd_kernel_consumer_vector(
             for i_c in range(0, NC - 1):  # run-time loops: one copy of the four fp32 products (compile time)
                 j0 = i_c * BC
                 o_j = j0 + tl.arange(0, BC)
-                m_j = o_j < n_rows
-                tok_j = (i_b * T + t0 + o_j) * H + i_h
-                p_jk = tok_j[:, None] * K + o_k[None, :]
-                m_jk = m_j[:, None] & m_k[None, :]
+                m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                 b_gj = tl.load(G + p_jk, mask=m_jk, other=0.0)
                 b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
                 # Column side anchor: the last row z of J.
@@ -386,10 +389,7 @@ def rewy_bwd_kernel_consumer_vector(
                 for i_i in range(i_c + 1, NC):
                     i0 = i_i * BC
                     o_ii = i0 + tl.arange(0, BC)
-                    m_ii = o_ii < n_rows
-                    tok_ii = (i_b * T + t0 + o_ii) * H + i_h
-                    p_ik = tok_ii[:, None] * K + o_k[None, :]
-                    m_ik = m_ii[:, None] & m_k[None, :]
+                    m_ii, tok_ii, p_ik, m_ik = _chunk_rows(o_ii, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                     # Row side: rows of I against the columns of J, anchored at I's first row.
                     b_ga = tl.load(G + ((i_b * T + t0 + i0) * H + i_h) * K + o_k, mask=m_k & (i0 < n_rows),
                                    other=0.0)
@@ -416,10 +416,7 @@ def rewy_bwd_kernel_consumer_vector(
             # Diagonal blocks, exact pairwise Λ: row i meets the row c = (its block start) + d of its own block.
             for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
                 o_c = blk + d
-                m_c = o_c < n_rows
-                tok_c = (i_b * T + t0 + o_c) * H + i_h
-                p_c = tok_c[:, None] * K + o_k[None, :]
-                m_ck = m_c[:, None] & m_k[None, :]
+                m_c, tok_c, p_c, m_ck = _chunk_rows(o_c, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                 b_kc = tl.load(k + p_c, mask=m_ck, other=0.0).to(tl.float32)
                 b_gc = tl.load(G + p_c, mask=m_ck, other=0.0)
                 # Row side (c < i): X_q,i += H_ic k_c Λ_ic, X_e,i += D_ic k_c Λ_ic.
