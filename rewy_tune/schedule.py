@@ -17,6 +17,8 @@ Stage map (rewy-math §§3–6):
 Which StageConfig members a stage reads: recompute, dv_local, consumer_cfg all four; forward_scan and
 reverse_scan all four (block_k must cover K); producer block_v, num_warps, num_stages; cumsum num_warps
 (and block_k for vector gates). The search spaces pin the members a stage does not read to one value.
+``forward_scan_segments`` / ``reverse_scan_segments`` cap each scan's sequence split; ``scan_split_waves`` (both
+scans) keeps a split only where the scan's grid is small enough to leave the GPU idle without it (`scan.py`).
 ``intra``, ``intra_precision`` and ``dv_local_source`` are read only by vector-gate operators (KDA/GDN2); scalar
 gates form Λ exactly and accept any value. ``dv_local_source``: "recompute" rebuilds A_qk in dv_local from q, k, G;
 "forward" has the autograd Function save the forward's A_qk ([B,T,H,C] in the input dtype, FLA's ``Aqk``, which
@@ -37,6 +39,7 @@ INTRA_MODES = ("auto", "centred", "subchunk")
 INTRA_PRECISIONS = ("ieee", "tf32x3")
 DV_LOCAL_SOURCES = ("recompute", "forward")
 CHUNK_SIZES = (16, 32, 64)
+SPLIT_WAVES = (0, 1, 2, 4)  # scan_split_waves: 0 = no occupancy limit on the sequence split
 STAGES = ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg", "cumsum")
 
 
@@ -102,6 +105,7 @@ class Schedule:
     intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee") or 3×tf32 ("tf32x3")
     forward_scan_segments: int = 1  # sequence split of the forward scan: at most this many segments of >= 2 chunks
     reverse_scan_segments: int = 1  # sequence split of the reverse scan (the same rule; see scan.py)
+    scan_split_waves: int = 0  # split only while a scan's grid fits in this many waves of one program per SM; 0: always
     dv_local_source: str = "recompute"  # vector gates: A_qk of dv_local recomputed, or the forward's saved Aqk
 
     def __post_init__(self) -> None:
@@ -117,6 +121,8 @@ class Schedule:
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 64:
                 raise ValueError(f"Schedule.{name} must be an int in [1, 64], got {val!r}")
+        if isinstance(self.scan_split_waves, bool) or self.scan_split_waves not in SPLIT_WAVES:
+            raise ValueError(f"Schedule.scan_split_waves must be one of {SPLIT_WAVES}, got {self.scan_split_waves!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
                               ("intra_precision", INTRA_PRECISIONS),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rewy_tune.schedule import STAGES, Schedule, StageConfig
+from rewy_tune.schedule import SPLIT_WAVES, STAGES, Schedule, StageConfig
 
 # Per-block shared-memory limit (bytes) by compute capability (CUDA occupancy tables; H100/H200 = 227 KiB).
 SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
@@ -62,6 +62,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "intra": ["auto"],
         "forward_scan_segments": SEGMENTS,
         "reverse_scan_segments": SEGMENTS,
+        "scan_split_waves": list(SPLIT_WAVES),
     }
     stage_tiles = {
         "recompute": (tk, tv), "forward_scan": (scan_k, [t for t in tv if t <= 128]), "dv_local": (tk, tv),
@@ -298,6 +299,10 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # twice; GDN (1,8192,4) 0.976 -> 0.827 ms on the H200 (RESULTS.md, stage sweep). fp32 inputs keep
             # fp32 states.
             state_dtype="input", consumer="joint", pd_dtype="fp32", intra="auto",
+            # Sequence-split scans where B·H is small: the 16-wide scans' grid at B·H = 4 is 32 programs on 132
+            # SMs; split 4 / 8 ways, GDN (1, 8192, 4) 0.603 -> 0.403 ms (FLA 0.580). At B·H = 32 the same split
+            # cost 1.5x (0.469 -> 0.722 ms; RESULTS.md, session 7 sweep): two waves of the SMs keep it to B·H <= 8.
+            forward_scan_segments=4, reverse_scan_segments=8, scan_split_waves=2,
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

@@ -8,7 +8,7 @@ policies because the reverse scan uses the −WᵀR̄ form (§4 (i)).
 
 Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
-forward_state_scan; dv_local (+ dv_local_source for vector gates: A_qk recomputed or the forward's Aqk) →
+forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk recomputed or the forward's Aqk) →
 dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) → reverse_state_scan; producer + pd_dtype →
 producer (separate only); consumer_cfg + consumer → consumer; cumsum → chunk_cumsum / reverse_chunk_cumsum;
 intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk
@@ -26,7 +26,7 @@ from .local import consumer as run_consumer
 from .local import dv_local as run_dv_local
 from .local import producer as run_producer
 from .recompute import recompute_wu
-from .scan import forward_state_scan, reverse_state_scan
+from .scan import forward_state_scan, reverse_state_scan, split_program_limit
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -142,6 +142,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     else:
         G = G.to(torch.float32).contiguous()
 
+    split_limit = split_program_limit(sc.scan_split_waves, k.device)
     rc = sc.recompute
     W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
                         num_warps=rc.num_warps, num_stages=rc.num_stages)
@@ -149,7 +150,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         fs = sc.forward_scan
         S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
                                    num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
-                                   num_segments=sc.forward_scan_segments)
+                                   num_segments=sc.forward_scan_segments, split_max_programs=split_limit)
     else:
         S0, R = S0.contiguous(), R.contiguous()
     del U
@@ -161,7 +162,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     dS1, Rbar, dh0 = reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k,
                                         BV=rs.block_v, num_warps=rs.num_warps, num_stages=rs.num_stages,
                                         state_dtype=state_dtype, want_dh0=initial_state is not None,
-                                        num_segments=sc.reverse_scan_segments)
+                                        num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
     del dvl, W
 
     P = D = None

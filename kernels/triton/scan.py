@@ -51,6 +51,8 @@ registers (Triton 3.6 on Hopper miscompiles tl.trans of wgmma-layout values; FLA
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -445,9 +447,40 @@ def combine_shared_memory(K: int) -> int:
 MIN_SEGMENT_CHUNKS = 2
 
 
-def _segments(NT: int, num_segments: int) -> tuple[int, int]:
+# A split that the occupancy limit cuts to fewer segments than this is dropped: by the latency model above, two
+# segments (NT + 2 chunk steps, plus two extra launches) never beat one.
+MIN_CAPPED_SEGMENTS = 3
+# The SM count the occupancy limit assumes for tensors that are not on a GPU (the Triton interpreter): small, so that
+# the CPU tests see the limit both cut and keep a split.
+INTERPRETER_SMS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_program_limit(waves: int, device: torch.device) -> int:
+    """Most programs a sequence-split scan grid may have under `Schedule.scan_split_waves` (0: no limit): waves × the
+    device's SM count. A split scan does about twice a plain scan's work (transfer matrices, then the re-scan),
+    so it pays only where the plain scan's grid leaves most SMs idle (small B·H, as in GDN's (1, 8192, 4)); at
+    B·H = 32 the same split made GDN's backward 1.4x slower on the H200 (benchmarks/RESULTS.md, session 7)."""
+    if waves <= 0:
+        return 0
+    sms = _cuda_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else INTERPRETER_SMS
+    return waves * sms
+
+
+def _segments(NT: int, num_segments: int, programs: int = 1, max_programs: int = 0) -> tuple[int, int]:
     """(segments actually used, chunks per segment): at most num_segments, each of at least MIN_SEGMENT_CHUNKS
-    chunks (one segment when NT is smaller), none empty."""
+    chunks (one segment when NT is smaller), none empty. With max_programs > 0, also at most
+    max_programs // programs segments (programs: the grid of one segment), and none when that limit leaves
+    fewer than MIN_CAPPED_SEGMENTS."""
+    if max_programs > 0 and num_segments > 1:
+        fit = max_programs // max(1, programs)
+        if fit < num_segments:
+            num_segments = fit if fit >= MIN_CAPPED_SEGMENTS else 1
     cps = triton.cdiv(NT, max(1, min(num_segments, NT // MIN_SEGMENT_CHUNKS)))
     return triton.cdiv(NT, cps), cps
 
@@ -466,11 +499,13 @@ def forward_state_scan(
     num_stages: int = 2,
     state_dtype: torch.dtype = torch.float32,
     num_segments: int = 1,
+    split_max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy-R forward state pass. Returns (S0 per chunk [B,NT,H,K,V] in state_dtype, R [B,T,H,V] in k's dtype).
 
     k, W [B,T,H,K]; U [B,T,H,V]; G None | [B,T,H] | [B,T,H,K] (fp32, natural log, chunk-local cumsum);
-    initial_state None | [B,H,K,V]. Grid: cdiv(V,BV) × B·H × num_segments programs (see the module docstring).
+    initial_state None | [B,H,K,V]. Grid: cdiv(V,BV) × B·H × num_segments programs (see the module docstring);
+    split_max_programs > 0 limits that grid (`split_program_limit`, `_segments`).
     """
     B, T, H, K = k.shape
     V = U.shape[-1]
@@ -484,8 +519,8 @@ def forward_state_scan(
     G = G.contiguous() if G is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     NT = triton.cdiv(T, chunk_size)
-    NS, CPS = _segments(NT, num_segments)
     NV = triton.cdiv(V, BV)
+    NS, CPS = _segments(NT, num_segments, NV * B * H, split_max_programs)
     VP = NV * BV
     prec = dot_precision(k.dtype)
     Hs = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
@@ -526,6 +561,7 @@ def reverse_state_scan(
     state_dtype: torch.dtype = torch.float32,
     want_dh0: bool = True,
     num_segments: int = 1,
+    split_max_programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reverse state scan (§4). Returns (dS1 per chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype,
     dh0 [B,H,K,V] fp32 or None when want_dh0 is False).
@@ -548,8 +584,8 @@ def reverse_state_scan(
     dvl = dv_local.contiguous() if dv_local is not None else None
     dht = dht.contiguous() if dht is not None else None
     NT = triton.cdiv(T, chunk_size)
-    NS, CPS = _segments(NT, num_segments)
     NV = triton.cdiv(V, BV)
+    NS, CPS = _segments(NT, num_segments, NV * B * H, split_max_programs)
     VP = NV * BV
     prec = dot_precision(k.dtype)
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)

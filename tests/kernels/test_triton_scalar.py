@@ -178,6 +178,7 @@ FIELD_CHANGES = {
     "dv_local_source": "forward",  # read by vector gates only (test_triton_vector.py); scalar gates recompute
     "forward_scan_segments": 2,
     "reverse_scan_segments": 3,
+    "scan_split_waves": 1,  # a limit on the split: its effect is asserted in test_split_waves_limit_the_split
 }
 
 
@@ -195,6 +196,22 @@ def test_each_field_one_at_a_time(field):
     ref_base = oracle(x) if changed.chunk_size != base.chunk_size else ref
     assert_gates(run_triton(x, base), ref_base, ctx=f"{field} base")
     assert_gates(run_triton(x, changed), ref, ctx=f"{field} changed")
+
+
+@pytest.mark.parametrize("waves,used", [(0, 3), (4, 3), (1, 1)])
+def test_split_waves_limit_the_split(monkeypatch, waves, used):
+    # B·H = 4 heads × 2 value tiles = 8 programs per segment; the interpreter counts as INTERPRETER_SMS = 8 SMs:
+    # one wave fits one segment (the split is dropped), four waves fit four (the 3 that 7 chunks allow run)
+    from rewy_tune.kernels.triton import scan
+
+    seen = []
+    real = scan._segments
+    monkeypatch.setattr(scan, "_segments", lambda *a: seen.append(real(*a)[0]) or real(*a))
+    sched = BASE.replace(chunk_size=16, forward_scan_segments=4, reverse_scan_segments=4, scan_split_waves=waves,
+                         forward_scan={"block_v": 16}, reverse_scan={"block_v": 16})
+    x = make_inputs("gdn", 1, 100, 4, 32, 32, seed=17)
+    assert_gates(run_triton(x, sched), oracle(x, C=16), ctx=f"waves={waves}")
+    assert seen == [used, used]  # forward and reverse scan
 
 
 # bf16 inputs are held to the project gate (0.8 % / 2 %), never a looser bound. Triton 3.6's interpreter converts

@@ -224,6 +224,22 @@ def test_segments_span_at_least_two_chunks(NT, asked, used):
     assert ns == 1 or cps >= MIN_SEGMENT_CHUNKS
 
 
+@pytest.mark.parametrize("NT,asked,programs,limit,used", [
+    (128, 8, 32, 0, 8),      # no limit
+    (128, 8, 32, 264, 8),    # H200, two waves, GDN's 16-wide scans at B·H = 4: 8 segments fit
+    (128, 8, 64, 264, 4),    # B·H = 8: four fit
+    (128, 8, 128, 264, 1),   # B·H = 16: two would fit, too few to pay: no split
+    (128, 4, 8, 132, 4),     # the limit never raises the asked number
+    (8, 8, 4, 132, 4),       # the two-chunk rule still applies
+])
+def test_segments_occupancy_limit(NT, asked, programs, limit, used):
+    from rewy_tune.kernels.triton.scan import MIN_CAPPED_SEGMENTS, _segments
+
+    ns, _ = _segments(NT, asked, programs, limit)
+    assert ns == used
+    assert limit == 0 or ns == 1 or (ns * programs <= limit and ns >= MIN_CAPPED_SEGMENTS)
+
+
 def _scan_inputs(B, T, H, K, V, C, gate, dtype, seed):
     s64 = make_system(B, T, H, K, V, C, gate, vec_erase=(gate == "vector"), seed=seed, device=DEV)
     W64, U64 = ref_recompute(s64["k"], s64["v"], s64["G"], s64["e"], s64["w"], s64["A"].nan_to_num(), C)
