@@ -394,7 +394,7 @@ def test_constraint_rejects_segments_whose_combine_kernel_cannot_fit():
     from rewy_tune.kernels.triton.scan import combine_shared_memory as kernel_combine_smem
     from rewy_tune.search_spaces.scalar import combine_shared_memory, constraint, default_schedule
 
-    base = default_schedule((9, 0))
+    base = default_schedule((9, 0)).replace(forward_scan_segments=1, reverse_scan_segments=1)
     need = combine_shared_memory(128)
     assert need == kernel_combine_smem(128) == 24576  # the sm_90 compile at K = 128 (scan.py header)
     for name in ("forward_scan_segments", "reverse_scan_segments"):
@@ -447,6 +447,24 @@ WRONG_H200_STAGES = [
                  marks=[MISCOMPILED_ON_H200] if s == "recompute" and c["num_warps"] == 4 and c["BK"] > c["BV"] else [])
     for s, c in WRONG_H200_STAGES])
 def test_gpu_wrong_h200_schedule_stage(stage, cfg):
+    if stage == "recompute" and cfg["num_warps"] == 4 and cfg["BK"] > cfg["BV"]:
+        # Own process: in session 8 one of these miscompiled cases stopped with an illegal memory access (not only
+        # a wrong U), which poisons the CUDA context, and every later test of that pytest worker failed with it.
+        import json
+        import subprocess
+        import sys
+
+        code = ("import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('stages', sys.argv[1]); "
+                "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+                "m.wrong_stage_case(sys.argv[2], json.loads(sys.argv[3]))")
+        r = subprocess.run([sys.executable, "-c", code, __file__, stage, json.dumps(cfg)], capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return
+    wrong_stage_case(stage, cfg)
+
+
+def wrong_stage_case(stage, cfg):
     B, T, H, K, V, C, dtype = 1, 484, 4, 128, 128, 64, torch.bfloat16
     s = as_input(make_system(B, T, H, K, V, C, "vector", vec_erase=True, seed=21, device="cuda"), dtype)
     Wr, Ur = ref_recompute(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"].nan_to_num(), C)
