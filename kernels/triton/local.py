@@ -171,7 +171,7 @@ def rewy_bwd_kernel_consumer(
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, JOINT: tl.constexpr, PREC: tl.constexpr,
+    USE_G: tl.constexpr, JOINT: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr,
 ):
     # Tiles are addressed through block pointers: per-element pointer tensors of the ~10 tiles this kernel
     # walks would otherwise stay live across the V loop (2 registers per element) and spill.
@@ -343,8 +343,11 @@ def rewy_bwd_kernel_consumer(
         p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         tl.store(p_dk, b_dkr.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
-    tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
-    tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+    if ONE_BETA:  # erase and write are one β: its whole gradient, one buffer
+        tl.store(derase + tok, (b_der + b_dwr).to(derase.dtype.element_ty), mask=m_row)
+    else:
+        tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
+        tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
     if USE_G:
         # Ḡ_i −= τ_i⟨K_i, K̄_t,i⟩ for i < n; the last row's own term cancels exactly (self-term split, §6/§8.2),
         # and the chunk-end decay of S0 and of the writes lands on row n.
@@ -360,11 +363,13 @@ def _check_scalar_gate(G, shape) -> None:
 
 
 def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
-             chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2):
+             chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
+             one_beta: bool = False):
     """ReWY consumer (§5–6.2). Joint when P and D are None (producer fused), separate otherwise.
 
     Returns (dq, dk, dv, Gbar, d_erase, d_write): dq, dk, dv in the input dtypes, d_erase/d_write in the
     dtypes of erase/write, Gbar fp32 [B,T,H] (gate adjoint w.r.t. the cumulative gate; None without gate).
+    one_beta=True: d_erase = d_erase + d_write (the gradient of a β that is both), d_write None.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -384,13 +389,15 @@ def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float,
     dv = torch.empty_like(v)
     dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    if one_beta and erase.dtype != write.dtype:
+        raise ValueError(f"one_beta: erase and write must share a dtype, got {erase.dtype} and {write.dtype}")
     derase = torch.empty_like(erase)
-    dwrite = torch.empty_like(write)
+    dwrite = None if one_beta else torch.empty_like(write)
     rewy_bwd_kernel_consumer[(NT, B * H)](
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
         dq, dk, dv, dk_col, gbar, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=G is not None, JOINT=joint,
-        PREC=dot_precision(k.dtype), num_warps=num_warps, num_stages=num_stages,
+        PREC=dot_precision(k.dtype), ONE_BETA=one_beta, num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv, gbar, derase, dwrite

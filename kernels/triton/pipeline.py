@@ -17,6 +17,8 @@ in dv_local).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rewy_tune.schedule import Schedule
@@ -91,7 +93,7 @@ def _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedu
 
 
 def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                         S0=None, R=None, G=None, Aqk=None):
+                         S0=None, R=None, G=None, Aqk=None, one_beta=False):
     """ReWY backward of DeltaNet (g None) / GDN (g [B,T,H]) on Triton.
 
     q, k [B,T,H,K]; v, do [B,T,H,V] (one dtype: fp16/bf16/fp32); g, erase, write [B,T,H]; A = M^{-1}
@@ -101,7 +103,9 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
 
     Returns (dq, dk, dv, dg, d_erase, d_write, dh0): dq, dk, dv in q's dtype; dg in g's dtype (None without a
     gate); d_erase, d_write in erase's / write's dtypes (the erase and write paths of β, returned apart);
-    dh0 fp32 (None without an initial state).
+    dh0 fp32 (None without an initial state). one_beta=True (scalar gates, erase and write one tensor, as
+    DeltaNet/GDN's β): d_erase is the whole β gradient and d_write None, so one [B,T,H] buffer is held instead of
+    two while the consumer runs (the backward's peak).
 
     Vector gates (g [B,T,H,K]: KDA, GDN2) go to ``vector_local.rewy_backward_triton_vector`` (same contract, plus
     Aqk: the forward's A_qk [B,T,H,chunk_size] in FLA's convention, read when schedule.dv_local_source is
@@ -110,12 +114,16 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     if isinstance(g, torch.Tensor) and g.dim() == 4 and g.shape == q.shape:
         from .vector_local import rewy_backward_triton_vector
 
+        if one_beta:
+            raise ValueError("one_beta applies to scalar gates (DeltaNet/GDN); vector gates return d_erase and d_write")
+
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
                                            Aqk=Aqk)
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
+    consumer = functools.partial(run_consumer, one_beta=True) if one_beta else run_consumer
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
-                      schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local, consumer=run_consumer)
+                      schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local, consumer=consumer)
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,

@@ -450,6 +450,11 @@ MIN_SEGMENT_CHUNKS = 2
 # A split that the occupancy limit cuts to fewer segments than this is dropped: by the latency model above, two
 # segments (NT + 2 chunk steps, plus two extra launches) never beat one.
 MIN_CAPPED_SEGMENTS = 3
+# Under an occupancy limit (Schedule.scan_split_waves > 0) a split must also pay by the latency model: 2·CPS + NS
+# chunk steps plus this many for the two extra launches and the combine, against NT unsplit. GDN at (1, 512, 4)
+# (eight chunks, split 4 / 4 of two chunks: 8 + 4 steps against 8) ran 1.08× FLA unsplit and 0.90× split
+# (benchmarks/RESULTS.md, session 8); at 32 chunks and more the split won.
+SPLIT_OVERHEAD_STEPS = 4
 # The SM count the occupancy limit assumes for tensors that are not on a GPU (the Triton interpreter): small, so that
 # the CPU tests see the limit both cut and keep a split.
 INTERPRETER_SMS = 8
@@ -474,15 +479,18 @@ def split_program_limit(waves: int, device: torch.device) -> int:
 
 def _segments(NT: int, num_segments: int, programs: int = 1, max_programs: int = 0) -> tuple[int, int]:
     """(segments actually used, chunks per segment): at most num_segments, each of at least MIN_SEGMENT_CHUNKS
-    chunks (one segment when NT is smaller), none empty. With max_programs > 0, also at most
-    max_programs // programs segments (programs: the grid of one segment), and none when that limit leaves
-    fewer than MIN_CAPPED_SEGMENTS."""
+    chunks (one segment when NT is smaller), none empty. With max_programs > 0 (a `split_program_limit`), also at
+    most max_programs // programs segments (programs: the grid of one segment), none when that limit leaves
+    fewer than MIN_CAPPED_SEGMENTS, and none unless 2·CPS + NS + SPLIT_OVERHEAD_STEPS < NT (the split pays)."""
     if max_programs > 0 and num_segments > 1:
         fit = max_programs // max(1, programs)
         if fit < num_segments:
             num_segments = fit if fit >= MIN_CAPPED_SEGMENTS else 1
     cps = triton.cdiv(NT, max(1, min(num_segments, NT // MIN_SEGMENT_CHUNKS)))
-    return triton.cdiv(NT, cps), cps
+    ns = triton.cdiv(NT, cps)
+    if max_programs > 0 and ns > 1 and 2 * cps + ns + SPLIT_OVERHEAD_STEPS >= NT:
+        return 1, NT
+    return ns, cps
 
 
 def forward_state_scan(

@@ -99,6 +99,25 @@ def run_triton(x, schedule, policy="R"):
 # correctness against the oracle
 
 
+@pytest.mark.parametrize("op,policy", [("gdn", "R"), ("deltanet", "A")])
+def test_one_beta_returns_the_whole_beta_gradient(op, policy):
+    # DeltaNet/GDN pass one β as erase and write: with one_beta the consumer stores d_erase + d_write in one buffer
+    # (one [B,T,H] tensor fewer at the backward's peak) and d_write is None; the sum is held to the gate threshold.
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=23)
+    scale = 32 ** -0.5
+    fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=scale, initial_state=x["h0"],
+                        chunk_size=BASE.chunk_size, save_states=policy == "A")
+    kw = dict(S0=fwd.S0, R=fwd.R, G=fwd.G) if policy == "A" else {}
+    out = rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], fwd.A, x["do"], x["dht"],
+                               scale=scale, initial_state=x["h0"], schedule=BASE, one_beta=True, **kw)
+    got = dict(zip(NAMES, out))
+    ref = oracle(x)
+    assert got["d_write"] is None
+    assert rel_rms(got["d_erase"], ref["d_erase"] + ref["d_write"]) <= GATE
+    for n in ("dq", "dk", "dv"):
+        assert rel_rms(got[n], ref[n]) <= ORDINARY, n
+
+
 @pytest.mark.parametrize("K", [32, 64])
 @pytest.mark.parametrize("T", [64, 100, 128])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
@@ -198,10 +217,11 @@ def test_each_field_one_at_a_time(field):
     assert_gates(run_triton(x, changed), ref, ctx=f"{field} changed")
 
 
-@pytest.mark.parametrize("waves,used", [(0, 3), (4, 3), (1, 1)])
+@pytest.mark.parametrize("waves,used", [(0, 4), (4, 4), (1, 1)])
 def test_split_waves_limit_the_split(monkeypatch, waves, used):
     # B·H = 4 heads × 2 value tiles = 8 programs per segment; the interpreter counts as INTERPRETER_SMS = 8 SMs:
-    # one wave fits one segment (the split is dropped), four waves fit four (the 3 that 7 chunks allow run)
+    # one wave fits one segment (the split is dropped), four waves fit the four asked (25 chunks: 4 segments of
+    # 7, and 2·7 + 4 + SPLIT_OVERHEAD_STEPS < 25, so the latency rule keeps the split too)
     from rewy_tune.kernels.triton import scan
 
     seen = []
@@ -209,7 +229,7 @@ def test_split_waves_limit_the_split(monkeypatch, waves, used):
     monkeypatch.setattr(scan, "_segments", lambda *a: seen.append(real(*a)[0]) or real(*a))
     sched = BASE.replace(chunk_size=16, forward_scan_segments=4, reverse_scan_segments=4, scan_split_waves=waves,
                          forward_scan={"block_v": 16}, reverse_scan={"block_v": 16})
-    x = make_inputs("gdn", 1, 100, 4, 32, 32, seed=17)
+    x = make_inputs("gdn", 1, 400, 4, 32, 32, seed=17)
     assert_gates(run_triton(x, sched), oracle(x, C=16), ctx=f"waves={waves}")
     assert seen == [used, used]  # forward and reverse scan
 
@@ -497,10 +517,10 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
                                   "derase", "dwrite")}
             sig.update({n: "*fp32" for n in ("G", "S0", "dS1", "P", "D", "dk_col", "gbar")})
             sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
-            sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "JOINT", "PREC")})
+            sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "JOINT", "PREC", "ONE_BETA")})
             compile_(local.rewy_bwd_kernel_consumer, sig,
                      {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "JOINT": joint,
-                      "PREC": "ieee" if dt == "fp32" else "tf32"}, 8)
+                      "PREC": "ieee" if dt == "fp32" else "tf32", "ONE_BETA": joint}, 8)
 print("compiled")
 """
 

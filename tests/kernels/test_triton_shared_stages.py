@@ -230,14 +230,18 @@ def test_segments_span_at_least_two_chunks(NT, asked, used):
     (128, 8, 64, 264, 4),    # B·H = 8: four fit
     (128, 8, 128, 264, 1),   # B·H = 16: two would fit, too few to pay: no split
     (128, 4, 8, 132, 4),     # the limit never raises the asked number
-    (8, 8, 4, 132, 4),       # the two-chunk rule still applies
+    (8, 8, 4, 132, 1),       # two-chunk segments (4 of 2) would not pay: 2·2 + 4 + overhead >= 8 steps
+    (8, 8, 4, 0, 4),         # without a limit the two-chunk rule alone applies
+    (32, 8, 32, 264, 8),     # T = 2048: 2·4 + 8 + 4 < 32, the split pays
+    (16, 4, 32, 264, 1),     # T = 1024: 2·4 + 4 + 4 = 16, it does not
 ])
 def test_segments_occupancy_limit(NT, asked, programs, limit, used):
-    from rewy_tune.kernels.triton.scan import MIN_CAPPED_SEGMENTS, _segments
+    from rewy_tune.kernels.triton.scan import MIN_CAPPED_SEGMENTS, SPLIT_OVERHEAD_STEPS, _segments
 
-    ns, _ = _segments(NT, asked, programs, limit)
-    assert ns == used
-    assert limit == 0 or ns == 1 or (ns * programs <= limit and ns >= MIN_CAPPED_SEGMENTS)
+    ns, cps = _segments(NT, asked, programs, limit)
+    assert ns == used and (ns - 1) * cps < NT <= ns * cps
+    assert limit == 0 or ns == 1 or (ns * programs <= limit and ns >= MIN_CAPPED_SEGMENTS
+                                     and 2 * cps + ns + SPLIT_OVERHEAD_STEPS < NT)
 
 
 def _scan_inputs(B, T, H, K, V, C, gate, dtype, seed):
