@@ -3,6 +3,9 @@
     python -P benchmarks/model_check.py --force-triton --json results/model-check.json     # on the GPU
     python -P benchmarks/model_check.py --dry-run                                          # on a CPU
 
+On a fresh host add ``--precompile 8``: eight processes first compile disjoint shares of the autotuners'
+configurations (FLA's first KDA step otherwise compiles them one after another, 371 s on an H200 host).
+
 What it does, per model (`KDAForCausalLM`, `GatedDeltaNetForCausalLM` from flash-linear-attention 0.6.0,
 built from one seed, bf16, random token ids, cross-entropy loss):
 
@@ -84,6 +87,7 @@ DRY_MODES = {
     "oracle": MODES["oracle"],
 }
 TIMED = ("fla-stock", "rewy-stock")
+PRECOMPILE_TIMEOUT_S = 900  # one precompile process, all models (a share of FLA's first KDA step: minutes at most)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -115,6 +119,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-hopper-guard", action="store_true",
                    help="do not bypass FLA's Hopper guard (FLA issue 640): FLA's GDN backward then raises")
     p.add_argument("--json", metavar="PATH", help="write every result (samples included) to PATH")
+    p.add_argument("--precompile", type=int, default=0, metavar="N",
+                   help="GPU: first run each model's first steps in N processes at once, each compiling a disjoint "
+                        "share of every Triton autotuner's configurations (rewy_tune.autotune_parts), so that this "
+                        "process's first step only times them (default 0: off; FLA's first KDA step compiled for 371 s "
+                        "in one process on a fresh H200 host)")
+    p.add_argument("--precompile-part", default=None, help=argparse.SUPPRESS)  # "i/N": one of those processes
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: tiny models, rewy-stock on the Triton interpreter, a torch stand-in for FLA's op")
     args = p.parse_args(argv)
@@ -128,6 +138,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.force_triton = True  # the interpreter runs every operator's Triton backward
     elif args.rounds < 20:
         p.error(f"--rounds must be >= 20, got {args.rounds}")
+    if args.precompile < 0 or args.precompile == 1:
+        p.error(f"--precompile must be 0 (off) or >= 2 processes, got {args.precompile}")
+    if args.precompile_part is not None:
+        m = re.fullmatch(r"(\d+)/(\d+)", args.precompile_part)
+        if not m or not int(m.group(1)) < int(m.group(2)):
+            p.error(f"--precompile-part must be i/N with 0 <= i < N, got {args.precompile_part!r}")
+        args.precompile_part = (int(m.group(1)), int(m.group(2)))
     if args.heads is None:
         args.heads = max(1, args.hidden // args.head_dim)
     v_dim = args.head_dim * args.expand_v
@@ -584,6 +601,70 @@ def _jsonable(x):
 
 # -- dry run extras ---------------------------------------------------------------------------------------
 
+def child_argv(raw_argv: list[str], part: int, parts: int) -> list[str]:
+    """The arguments of precompile process `part`: the model options of this run, without --json / --precompile."""
+    out, skip = [], False
+    for a in raw_argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--json", "--precompile", "--precompile-part"):
+            skip = True
+            continue
+        if a.split("=", 1)[0] in ("--json", "--precompile", "--precompile-part"):
+            continue
+        out.append(a)
+    return out + ["--precompile-part", f"{part}/{parts}"]
+
+
+def precompile(args, raw_argv: list[str]) -> dict:
+    """Runs --precompile N copies of this script (one share of the autotuners' configurations each) and waits."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), *child_argv(raw_argv, i, args.precompile)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(args.precompile)]
+    codes = []
+    for i, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=PRECOMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        codes.append(proc.returncode)
+        if proc.returncode != 0:
+            print(f"[precompile {i}/{args.precompile}] exit {proc.returncode}:\n" + out[-2000:], flush=True)
+    res = dict(processes=args.precompile, exit_codes=codes, seconds=time.perf_counter() - t0)
+    print(f"precompile: {args.precompile} processes, {res['seconds']:.1f} s, exit codes {codes}", flush=True)
+    return res
+
+
+def precompile_part(args, harness: "Harness", device, dtype) -> int:
+    """One precompile process: each model's first step in every timed mode, its autotuners restricted to share
+    i of N. What it compiles lands in Triton's on-disk cache; what it times and picks is discarded."""
+    from rewy_tune import autotune_parts
+
+    part, parts = args.precompile_part
+    failed = 0
+    for kind in args.models:
+        model = build_model(kind, make_config(kind, args), args, device, dtype)
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq_len)).to(device)
+        with autotune_parts.config_part(part, parts):
+            for mode in TIMED:
+                try:
+                    harness.set_mode(mode)
+                    harness.step(model, ids)
+                except Exception as exc:  # noqa: BLE001 - the measured process reports failures itself
+                    failed += 1
+                    print(f"[precompile {part}/{parts}] {kind} {mode}: {type(exc).__name__}: {exc}", flush=True)
+                finally:
+                    harness.set_mode(None)
+        del model
+        torch.cuda.empty_cache()
+    return 1 if failed else 0
+
+
 def dry_run_plumbing(args, raw_argv: list[str]) -> list[str]:
     """CPU checks of what the GPU run relies on: configs at the requested GPU size build, the op substitute and
     enable()/disable() bindings compose and restore, FLA's fused activation kernels that enable() calls on CUDA
@@ -719,6 +800,10 @@ def main(argv=None) -> int:
                 print("FLA's Hopper guard for gated chunk_bwd_dqkwg (FLA issue 640, Triton < 3.7.1) is BYPASSED so that "
                       "FLA's GDN backward runs: FLA's GDN gradients may be wrong here; ReWY is also checked against the "
                       "float64 oracle")
+            if args.precompile_part is not None:
+                return precompile_part(args, harness, device, dtype)
+            if args.precompile:
+                out["precompile"] = precompile(args, raw_argv)
         for kind in args.models:
             try:
                 out["models"][kind] = run_model(kind, args, harness, device, dtype)

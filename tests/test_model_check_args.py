@@ -1,0 +1,36 @@
+"""benchmarks/model_check.py's argument handling for --precompile (the model check itself needs FLA's models and
+a GPU; `--dry-run` covers its plumbing on a CPU where flash-linear-attention is installed)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "model_check.py"
+
+
+@pytest.fixture(scope="module")
+def mc():
+    spec = importlib.util.spec_from_file_location("model_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_precompile_children_get_the_model_options_without_json_or_precompile(mc):
+    argv = ["--models", "kda", "--json", "out.json", "--precompile", "8", "--policy", "A", "--precompile=4",
+            "--seq-len", "2048"]
+    child = mc.child_argv(argv, 3, 8)
+    assert child == ["--models", "kda", "--policy", "A", "--seq-len", "2048", "--precompile-part", "3/8"]
+    args = mc.parse_args(child)
+    assert args.precompile_part == (3, 8) and args.precompile == 0 and args.json is None
+    assert args.models == ["kda"] and args.policy == "A" and args.seq_len == 2048
+
+
+@pytest.mark.parametrize("argv", [["--precompile", "1"], ["--precompile", "-2"], ["--precompile-part", "8/8"],
+                                  ["--precompile-part", "x"]])
+def test_bad_precompile_arguments_exit_2(mc, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        mc.parse_args(argv)
+    assert exc.value.code == 2
+    assert "--precompile" in capsys.readouterr().err
