@@ -49,8 +49,9 @@ step_campaign() {
 }
 step_sweep() {
   timeout "${SWEEP_S:-300}" python3 benchmarks/profile_stages.py --op "${SWEEP_OPS:-all}" --jobs "${SWEEP_JOBS:-12}" \
-    --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} --json "$RES/sweep.json" > "$OUT/sweep.log" 2>&1
-  echo "sweep rc=$?"; tail -c 6000 "$OUT/sweep.log"
+    --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} \
+    --json "$RES/sweep.json" > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$?"; grep -vE "Warning|return \[o for o" "$OUT/sweep.log" | tail -c 7000
 }
 step_enumerate() {  # the exhaustive table for benchmarks/tpe_convergence.py
   timeout "${ENUM_S:-330}" python3 benchmarks/enumerate_space.py --op "${ENUM_OP:-gdn}" --shape "${ENUM_SHAPE:-1,8192,4}" \

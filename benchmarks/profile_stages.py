@@ -81,6 +81,14 @@ def variants_for(op: str, base):
         # consumer (0.26 of GDN's 0.47 ms at (2, 2048, 16)) runs 2 stages and has not been timed at 1.
         out["cons-s1"] = base.replace(consumer_cfg={"num_stages": 1})
         out["cons-s1-dvl-w8"] = base.replace(consumer_cfg={"num_stages": 1}, dv_local={"num_warps": 8})
+        out["cons-s1-32x64"] = base.replace(consumer_cfg={"num_stages": 1, "block_k": 32})
+        out["cons-s1-64x128"] = base.replace(consumer_cfg={"num_stages": 1, "block_v": 128})
+        out["cons-s1-w4"] = base.replace(consumer_cfg={"num_stages": 1, "num_warps": 4})
+    # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
+    # and the KDA/GDN2 default (waves 0: always split) under the rule
+    out["unsplit"] = base.replace(forward_scan_segments=1, reverse_scan_segments=1)
+    if base.scan_split_waves != 2:
+        out["waves2"] = base.replace(scan_split_waves=2)
     return out
 
 
@@ -92,12 +100,17 @@ def main():
     p.add_argument("--jobs", type=int, default=None, help="compile-ahead processes (default: warmup's)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the default")
     p.add_argument("--json", default=None, help="write {op: {variant: {shape: [ours_ms, fla_ms]}}}")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variant names to run (default: all); names an operator lacks are skipped")
     args = p.parse_args()
     fla_baseline.bypass_hopper_guard()
     ops = OPS if args.op == "all" else (args.op,)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     cc = torch.cuda.get_device_capability()
     plan = {op: variants_for(op, default_schedule(cc, K=128, V=128, op=op)) for op in ops}
+    if args.variants:
+        keep = {"default", *args.variants.split(",")}
+        plan = {op: {n: s for n, s in variants.items() if n in keep} for op, variants in plan.items()}
     names = [(op, name) for op in ops for name in plan[op]]
     tasks = [warmup.WarmTask(op, args.policy, plan[op][name].to_dict(), shapes) for op, name in names]
     # A variant that fails in its warm-up process (each runs in its own) is not run here: an illegal memory
