@@ -47,11 +47,13 @@ step_campaign() {
     --db "sqlite:///$RES/h200.db" --storage "$RES/h200.journal" > "$RES/campaign.log" 2>&1
   echo "campaign rc=$?"; tail -c 4000 "$RES/campaign.log"
 }
-step_sweep() {
-  timeout "${SWEEP_S:-300}" python3 benchmarks/profile_stages.py --op "${SWEEP_OPS:-all}" --jobs "${SWEEP_JOBS:-12}" \
-    --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} \
-    --json "$RES/sweep.json" > "$OUT/sweep.log" 2>&1
-  echo "sweep rc=$?"; grep -vE "Warning|return \[o for o" "$OUT/sweep.log" | tail -c 7000
+step_sweep() {  # SWEEP_OPS: "all", one operator, or several run one after another (sweep-OP.log / .json each)
+  for op in ${SWEEP_OPS:-all}; do
+    timeout "${SWEEP_S:-300}" python3 benchmarks/profile_stages.py --op "$op" --jobs "${SWEEP_JOBS:-12}" \
+      --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} \
+      --json "$RES/sweep-$op.json" > "$OUT/sweep-$op.log" 2>&1
+    echo "sweep $op rc=$?"; grep -vE "Warning|return \[o for o" "$OUT/sweep-$op.log" | tail -c 6000
+  done
 }
 step_enumerate() {  # the exhaustive table for benchmarks/tpe_convergence.py
   timeout "${ENUM_S:-330}" python3 benchmarks/enumerate_space.py --op "${ENUM_OP:-gdn}" --shape "${ENUM_SHAPE:-1,8192,4}" \
