@@ -1,6 +1,7 @@
 """Model-level check: one training step of small stock FLA models (KDA, Gated DeltaNet) with and without ReWY.
 
-    python -P benchmarks/model_check.py --force-triton --json results/model-check.json     # on the GPU
+    python -P benchmarks/model_check.py --dtype fp32 --no-timing --json results/model-check-fp32.json  # gradients
+    python -P benchmarks/model_check.py --json results/model-check.json                             # bf16 timing
     python -P benchmarks/model_check.py --dry-run                                          # on a CPU
 
 On a fresh host add ``--precompile 8``: eight processes first compile disjoint shares of the autotuners'
@@ -9,7 +10,9 @@ configurations (FLA's first KDA step otherwise compiles them one after another, 
 What it does, per model (`KDAForCausalLM`, `GatedDeltaNetForCausalLM` from flash-linear-attention 0.6.0,
 built from one seed, bf16, random token ids, cross-entropy loss):
 
-1. Correctness: one step (forward, loss, backward) in each mode, same weights and inputs:
+1. Correctness: one step (forward, loss, backward) in each mode, same weights and inputs (the per-parameter
+   gradient thresholds are checked at --dtype fp32; in a bf16 model FLA's own gradients differ from the oracle's
+   by ~4 %, so there they are reported next to FLA's, and the loss is checked):
    - ``fla-stock``  FLA's layers unchanged, ReWY off;
    - ``rewy-stock`` FLA's layers unchanged, ``rewy_tune.enable()``: the layers' chunk-op calls (in-kernel q/k
      l2norm, gate activation with ``A_log`` / ``dt_bias``, beta sigmoid, V-first state) are routed through ReWY,
@@ -517,11 +520,25 @@ def verdict_checks(res: dict, args) -> list[dict]:
             add("loss", loss_ok, ", ".join(f"|d loss| vs {r} {c['loss_abs_diff']:.3g} ({_pct(c['loss_rel_diff'])})"
                                          for r, c in refs) + f"; threshold {_pct(gates.ORDINARY_RTOL)} relative")
             failing = set.intersection(*(set(c["failed"]) for _, c in refs))
+            if args.dtype != "fp32":
+                # In a 16-bit model every layer's rounding reaches the parameter gradients: FLA's own differ from
+                # the float64-op oracle by ~4 % (H200, session 9), five times the op-level threshold. The
+                # thresholds are applied where they mean something: run the check with --dtype fp32.
+                fla = comps.get("fla-stock vs oracle")
+                add("gradients (reported; thresholds apply at --dtype fp32)", True,
+                    ", ".join(f"worst vs {r} {_pct(c['worst_rel_rms'])} ({c['worst_param']})" for r, c in refs)
+                    + (f"; FLA's own vs oracle {_pct(fla['worst_rel_rms'])} ({fla['worst_param']})" if fla else "")
+                    + f"; {len(failing)} parameter(s) over {_pct(gates.ORDINARY_RTOL)} of every reference")
+                return _finish_checks(checks, res, modes, comps, add)
             add("gradients", not failing,
                 ", ".join(f"worst vs {r} {_pct(c['worst_rel_rms'])} ({c['worst_param']})" for r, c in refs)
                 + (f"; over the threshold of every reference: {_few(sorted(failing))}" if failing else
                    f"; every parameter within {_pct(gates.ORDINARY_RTOL)} ({_pct(gates.GATE_RTOL)} gate path) "
                    "of at least one reference"))
+    return _finish_checks(checks, res, modes, comps, add)
+
+
+def _finish_checks(checks, res, modes, comps, add) -> list[dict]:
     through = {m: r["substitute_passthrough"] for m, r in modes.items() if r.get("substitute_passthrough")}
     if any(res["mode_layers"].get(m) == "substituted" for m in modes):
         add("substitute handled every call", not through,

@@ -31,7 +31,8 @@ def autotuners() -> list:
 @contextlib.contextmanager
 def config_part(part: int, parts: int) -> Iterator[int]:
     """Within the block each autotuner keeps its configurations part, part + parts, ... (a kernel with fewer than
-    `parts` configurations keeps one, `part` modulo its count). Yields the number of autotuners restricted."""
+    `parts` configurations keeps one, `part` modulo its count), and its first configuration. Yields the number of
+    autotuners restricted."""
     if not isinstance(parts, int) or parts < 1 or not isinstance(part, int) or not 0 <= part < parts:
         raise ValueError(f"config_part: part must be in [0, parts) with parts >= 1, got part={part!r}, "
                          f"parts={parts!r}")
@@ -41,7 +42,11 @@ def config_part(part: int, parts: int) -> Iterator[int]:
         if not configs:
             continue
         saved.append((tuner, tuner.configs, dict(tuner.cache)))
-        tuner.configs = configs[part::parts] or [configs[part % len(configs)]]
+        # Every share also keeps the list's first configuration (fla-core lists grow from the smallest tiles): a share
+        # whose own configurations all exceed shared memory (fp32 on the H200, session 9) would otherwise fail the
+        # launch and stop that process before the kernels after it.
+        share = configs[part::parts] or [configs[part % len(configs)]]
+        tuner.configs = share if configs[0] in share else [configs[0], *share]
     try:
         yield len(saved)
     finally:
