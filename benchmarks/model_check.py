@@ -28,8 +28,10 @@ built from one seed, bf16, random token ids, cross-entropy loss):
    (FLA issue 640): FLA's guard against that is bypassed so its GDN backward runs at all. The oracle's loss must
    match ``fla-stock``'s (it checks that the oracle computes what FLA's layer asks for).
 2. Timing: ``fla-stock`` and ``rewy-stock`` interleaved (the order rotates every round), ``--rounds`` rounds after
-   ``--warmup`` steps each; ``torch.cuda.Event`` around ``loss.backward()`` (backward) and around the whole step
-   (step); medians; speedup = ``fla-stock`` median / ``rewy-stock`` median.
+   ``--warmup`` steps each; ``torch.cuda.Event`` around the backward and around the whole step; medians; speedup =
+   ``fla-stock`` median / ``rewy-stock`` median. ``--timing graph`` (default) replays each mode's step captured as
+   two CUDA graphs (forward + loss, backward): eager steps of this model spread by ±30 % between rounds (host
+   launch jitter, session 9). A model that cannot be captured is timed eagerly and the output says why.
 
 The op substitution (`OpSubstitute`, the remainder of the earlier layer adapter) is only needed by the two modes
 that cannot call FLA's op as the layer does: the float64 oracle, and in ``--dry-run`` the CPU stand-in for
@@ -119,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per mode before timing (default 3)")
     p.add_argument("--no-oracle", action="store_true", help="skip the float64 oracle (compare with FLA only)")
     p.add_argument("--no-timing", action="store_true", help="correctness only")
+    p.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                   help="graph (default): each mode's forward and backward captured as CUDA graphs and replayed, "
+                        "so host launch jitter stays out of the figures (falls back to eager, saying why, when a "
+                        "model cannot be captured); eager: torch.cuda.Event around eager steps")
     p.add_argument("--keep-hopper-guard", action="store_true",
                    help="do not bypass FLA's Hopper guard (FLA issue 640): FLA's GDN backward then raises")
     p.add_argument("--json", metavar="PATH", help="write every result (samples included) to PATH")
@@ -463,8 +469,79 @@ def _print_worst(res: dict, n: int = 5) -> None:
                   f"{'ok' if d['passed'] else 'OVER'}")
 
 
+class GraphedStep:
+    """One mode's training step as two CUDA graphs: forward + loss, then backward (in the forward's memory pool,
+    so the saved activations stay valid). Captured after warm-up steps on a side stream (autotuning and lazy
+    initialisation done); gradients land in the .grad tensors the backward capture allocated, overwritten by
+    every replay. Eager steps of the 4-layer model spread by ±30 % between rounds (session 9, launch-bound)."""
+
+    def __init__(self, model, ids, warmup: int):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(1, warmup)):
+                model.zero_grad(set_to_none=True)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd):
+            self.loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
+            self.loss.backward()
+        torch.cuda.synchronize()
+        # this mode's gradient buffers: kept alive while the graphs exist (the next capture starts from None)
+        self.grads = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+
+    def step(self) -> tuple[float, float]:
+        """(backward ms, step ms) of one replay."""
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        self.fwd.replay()
+        mid.record()
+        self.bwd.replay()
+        end.record()
+        end.synchronize()
+        return mid.elapsed_time(end), start.elapsed_time(end)
+
+
+def _graphed_steps(model, ids, harness: Harness, modes: list[str], args) -> dict:
+    """Each mode captured with its routing in force (the graphs keep the kernels they captured)."""
+    graphs = {}
+    for mode in modes:
+        harness.set_mode(mode)
+        try:
+            graphs[mode] = GraphedStep(model, ids, args.warmup)
+        finally:
+            harness.set_mode(None)
+    return graphs
+
+
 def time_modes(model, ids, harness: Harness, modes: list[str], args) -> dict:
     samples = {m: {"backward_ms": [], "step_ms": []} for m in modes}
+    method, fallback = args.timing, None
+    if method == "graph" and harness.cuda:
+        try:
+            graphs = _graphed_steps(model, ids, harness, modes, args)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be captured is timed eagerly, and says why
+            method, fallback = "eager", f"CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+            print(f"[timing] {fallback}; timing eager steps", flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        else:  # the report keeps the warm-up and capture calls (replays do not pass through Python)
+            for r in range(args.rounds):
+                for i in range(len(modes)):
+                    mode = modes[(i + r) % len(modes)]
+                    bwd, step = graphs[mode].step()
+                    samples[mode]["backward_ms"].append(bwd)
+                    samples[mode]["step_ms"].append(step)
+            del graphs
+            model.zero_grad(set_to_none=True)
+            return _timing_summary(samples, modes, args, "cuda-graph", None)
+    elif not harness.cuda:
+        method = "eager"
     for mode in modes:
         harness.set_mode(mode)
         for _ in range(args.warmup):
@@ -479,7 +556,14 @@ def time_modes(model, ids, harness: Harness, modes: list[str], args) -> dict:
             samples[mode]["step_ms"].append(step)
     harness.set_mode(None)
     model.zero_grad(set_to_none=True)
-    out = {"rounds": args.rounds, "warmup": args.warmup, "report_during_timing": rewy_tune.report(), "modes": {}}
+    return _timing_summary(samples, modes, args, "eager", fallback)
+
+
+def _timing_summary(samples: dict, modes: list[str], args, method: str, fallback: str | None) -> dict:
+    out = {"rounds": args.rounds, "warmup": args.warmup, "method": method, "report_during_timing": rewy_tune.report(),
+           "modes": {}}
+    if fallback:
+        out["graph_fallback"] = fallback
     for mode in modes:
         s = samples[mode]
         base = "fla-stock"
@@ -597,6 +681,11 @@ def print_summary(results: dict, args) -> None:
             print(f"{name:<6s} {mode:<10s} {calls:>13s} {rec['loss']:>10.5f} {dloss:>9s} {', '.join(worst) or 'ref':<42s} "
                   f"{fmt('median_backward_ms', '{:.3f}'):>8s} {fmt('median_step_ms', '{:.3f}'):>8s} "
                   f"{fmt('speedup_backward', '{:.3f}'):>6s} {fmt('speedup_step', '{:.3f}'):>6s}")
+    for kind, res in results.items():
+        timing = res.get("timing") or {}
+        if timing.get("method"):
+            print(f"{kind.upper()} timing: {timing['method']}, {timing['rounds']} interleaved rounds"
+                  + (f" ({timing['graph_fallback']})" if timing.get("graph_fallback") else ""))
     for kind, res in results.items():
         verdict = "PASS" if res.get("passed") else "FAIL"
         print(f"\n{kind.upper()}: {verdict}")

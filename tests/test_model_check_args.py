@@ -34,3 +34,30 @@ def test_bad_precompile_arguments_exit_2(mc, argv, capsys):
         mc.parse_args(argv)
     assert exc.value.code == 2
     assert "--precompile" in capsys.readouterr().err
+
+
+def test_graph_timing_falls_back_to_eager_and_says_why(mc, monkeypatch):
+    # A model whose step cannot be captured is timed eagerly; the result names the method and the reason.
+    class Harness:
+        cuda = True
+        modes_seen = []
+
+        def set_mode(self, mode):
+            self.modes_seen.append(mode)
+
+        def step(self, model, ids):
+            return (2.0, 5.0, None) if self.modes_seen[-1] == "fla-stock" else (1.0, 4.0, None)
+
+    class Model:
+        def zero_grad(self, set_to_none=True):
+            pass
+
+    def no_capture(*a, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(mc, "GraphedStep", no_capture)
+    args = mc.parse_args(["--rounds", "20", "--warmup", "1"])
+    out = mc.time_modes(Model(), None, Harness(), ["fla-stock", "rewy-stock"], args)
+    assert out["method"] == "eager" and "not permitted when stream is capturing" in out["graph_fallback"]
+    assert len(out["modes"]["rewy-stock"]["backward_ms"]) == 20
+    assert out["modes"]["rewy-stock"]["speedup_backward"] == 2.0 and out["modes"]["rewy-stock"]["speedup_step"] == 1.25
