@@ -521,12 +521,12 @@ def _graphed_steps(model, ids, harness: Harness, modes: list[str], args) -> dict
 
 def time_modes(model, ids, harness: Harness, modes: list[str], args) -> dict:
     samples = {m: {"backward_ms": [], "step_ms": []} for m in modes}
-    method, fallback = args.timing, None
-    if method == "graph" and harness.cuda:
+    fallback = None
+    if args.timing == "graph" and harness.cuda:
         try:
             graphs = _graphed_steps(model, ids, harness, modes, args)
         except Exception as exc:  # noqa: BLE001 - a model that cannot be captured is timed eagerly, and says why
-            method, fallback = "eager", f"CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+            fallback = f"CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:300]}"
             print(f"[timing] {fallback}; timing eager steps", flush=True)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -540,8 +540,6 @@ def time_modes(model, ids, harness: Harness, modes: list[str], args) -> dict:
             del graphs
             model.zero_grad(set_to_none=True)
             return _timing_summary(samples, modes, args, "cuda-graph", None)
-    elif not harness.cuda:
-        method = "eager"
     for mode in modes:
         harness.set_mode(mode)
         for _ in range(args.warmup):
@@ -604,25 +602,20 @@ def verdict_checks(res: dict, args) -> list[dict]:
             add("loss", loss_ok, ", ".join(f"|d loss| vs {r} {c['loss_abs_diff']:.3g} ({_pct(c['loss_rel_diff'])})"
                                          for r, c in refs) + f"; threshold {_pct(gates.ORDINARY_RTOL)} relative")
             failing = set.intersection(*(set(c["failed"]) for _, c in refs))
+            worst = ", ".join(f"worst vs {r} {_pct(c['worst_rel_rms'])} ({c['worst_param']})" for r, c in refs)
             if args.dtype != "fp32":
                 # In a 16-bit model every layer's rounding reaches the parameter gradients: FLA's own differ from
                 # the float64-op oracle by ~4 % (H200, session 9), five times the op-level threshold. The
                 # thresholds are applied where they mean something: run the check with --dtype fp32.
                 fla = comps.get("fla-stock vs oracle")
-                add("gradients (reported; thresholds apply at --dtype fp32)", True,
-                    ", ".join(f"worst vs {r} {_pct(c['worst_rel_rms'])} ({c['worst_param']})" for r, c in refs)
+                add("gradients (reported; thresholds apply at --dtype fp32)", True, worst
                     + (f"; FLA's own vs oracle {_pct(fla['worst_rel_rms'])} ({fla['worst_param']})" if fla else "")
                     + f"; {len(failing)} parameter(s) over {_pct(gates.ORDINARY_RTOL)} of every reference")
-                return _finish_checks(checks, res, modes, comps, add)
-            add("gradients", not failing,
-                ", ".join(f"worst vs {r} {_pct(c['worst_rel_rms'])} ({c['worst_param']})" for r, c in refs)
-                + (f"; over the threshold of every reference: {_few(sorted(failing))}" if failing else
-                   f"; every parameter within {_pct(gates.ORDINARY_RTOL)} ({_pct(gates.GATE_RTOL)} gate path) "
-                   "of at least one reference"))
-    return _finish_checks(checks, res, modes, comps, add)
-
-
-def _finish_checks(checks, res, modes, comps, add) -> list[dict]:
+            else:
+                add("gradients", not failing, worst
+                    + (f"; over the threshold of every reference: {_few(sorted(failing))}" if failing else
+                       f"; every parameter within {_pct(gates.ORDINARY_RTOL)} ({_pct(gates.GATE_RTOL)} gate path) "
+                       "of at least one reference"))
     through = {m: r["substitute_passthrough"] for m, r in modes.items() if r.get("substitute_passthrough")}
     if any(res["mode_layers"].get(m) == "substituted" for m in modes):
         add("substitute handled every call", not through,
@@ -705,7 +698,7 @@ def _jsonable(x):
     return x
 
 
-# -- dry run extras ---------------------------------------------------------------------------------------
+# -- --precompile: autotuner configurations compiled in several processes first --------------------------
 
 def child_argv(raw_argv: list[str], part: int, parts: int) -> list[str]:
     """The arguments of precompile process `part`: the model options of this run, without --json / --precompile."""
@@ -770,6 +763,8 @@ def precompile_part(args, harness: "Harness", device, dtype) -> int:
         torch.cuda.empty_cache()
     return 1 if failed else 0
 
+
+# -- dry run extras ---------------------------------------------------------------------------------------
 
 def dry_run_plumbing(args, raw_argv: list[str]) -> list[str]:
     """CPU checks of what the GPU run relies on: configs at the requested GPU size build, the op substitute and

@@ -162,11 +162,11 @@ class RewyTritonFunction(torch.autograd.Function):
         do = torch.zeros_like(v) if do is None else do.to(v.dtype)
         h0 = initial_state.float() if initial_state is not None else None
         # DeltaNet/GDN's one β passed as erase and write: its gradient in one buffer (autograd sums the two slots)
-        one_beta = g is None or g.dim() == 3
-        one_beta = one_beta and erase.shape == write.shape and erase.data_ptr() == write.data_ptr()
+        one_beta = ((g is None or g.dim() == 3) and erase.shape == write.shape
+                    and erase.data_ptr() == write.data_ptr())
         dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
             q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
-            S0=S0, R=R, Aqk=Aqk, **({"one_beta": True} if one_beta else {}))
+            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta)
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, dg, d_erase, d_write, dh0, None, None, None, None, None

@@ -1,6 +1,9 @@
-"""Test-wide set-up: the Triton interpreter on machines without CUDA, GPU tests skipped there."""
+"""Test-wide set-up: the Triton interpreter on machines without CUDA, GPU tests skipped there; a loader for the
+scripts under benchmarks/ (not a package)."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,3 +35,16 @@ def pytest_runtest_logreport(report):
         f.write(f"{report.outcome.upper()} {report.nodeid} [{report.when}] {report.duration:.1f}s\n")
         if report.failed:
             f.write(str(report.longrepr)[-2500:] + "\n\n")
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """load_benchmark(name) imports benchmarks/<name>.py as a module."""
+    def load(name: str):
+        script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -1,20 +1,12 @@
 """benchmarks/model_check.py's argument handling for --precompile (the model check itself needs FLA's models and
 a GPU; `--dry-run` covers its plumbing on a CPU where flash-linear-attention is installed)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "model_check.py"
 
 
 @pytest.fixture(scope="module")
-def mc():
-    spec = importlib.util.spec_from_file_location("model_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def mc(load_benchmark):
+    return load_benchmark("model_check")
 
 
 def test_precompile_children_get_the_model_options_without_json_or_precompile(mc):
@@ -61,3 +53,16 @@ def test_graph_timing_falls_back_to_eager_and_says_why(mc, monkeypatch):
     assert out["method"] == "eager" and "not permitted when stream is capturing" in out["graph_fallback"]
     assert len(out["modes"]["rewy-stock"]["backward_ms"]) == 20
     assert out["modes"]["rewy-stock"]["speedup_backward"] == 2.0 and out["modes"]["rewy-stock"]["speedup_step"] == 1.25
+
+
+@pytest.mark.parametrize("dtype,name,passed", [("fp32", "gradients", False),
+                                               ("bf16", "gradients (reported; thresholds apply at --dtype fp32)", True)])
+def test_gradient_thresholds_are_checked_at_fp32_and_reported_at_bf16(mc, dtype, name, passed):
+    comp = dict(failed=["w"], worst_rel_rms=0.04, worst_param="w", loss_abs_diff=1e-6, loss_rel_diff=1e-7)
+    report = dict(routed_calls=4, fallback_calls=0, fallbacks=[], routed=[])
+    res = dict(errors={}, mode_layers={"fla-stock": "stock", "rewy-stock": "stock", "oracle": "substituted"},
+               modes={"rewy-stock": {"report": report}, "fla-stock": {}, "oracle": {}},
+               comparisons={"rewy-stock vs fla-stock": comp, "rewy-stock vs oracle": comp, "fla-stock vs oracle": comp})
+    checks = {c["name"]: c for c in mc.verdict_checks(res, mc.parse_args(["--dtype", dtype]))}
+    assert checks[name]["passed"] is passed and "worst vs oracle 4%" in checks[name]["detail"]
+    assert checks["loss"]["passed"] and "oracle computes the stock layer's call" in checks

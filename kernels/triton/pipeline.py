@@ -8,9 +8,9 @@ policies because the reverse scan uses the −WᵀR̄ form (§4 (i)).
 
 Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
-forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk recomputed or the forward's Aqk) →
-dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) → reverse_state_scan; producer + pd_dtype →
-producer (separate only); consumer_cfg + consumer → consumer; cumsum → chunk_cumsum / reverse_chunk_cumsum;
+forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
+recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
+reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer; cumsum → chunk_cumsum / reverse_chunk_cumsum;
 intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk
 in dv_local).
 """
@@ -116,14 +116,13 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
 
         if one_beta:
             raise ValueError("one_beta applies to scalar gates (DeltaNet/GDN); vector gates return d_erase and d_write")
-
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
                                            Aqk=Aqk)
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
-    consumer = functools.partial(run_consumer, one_beta=True) if one_beta else run_consumer
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
-                      schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local, consumer=consumer)
+                      schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local,
+                      consumer=functools.partial(run_consumer, one_beta=one_beta))
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,

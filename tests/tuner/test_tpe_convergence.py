@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tpe_convergence.py"
-
 
 @pytest.fixture(scope="module")
-def tc():
-    spec = importlib.util.spec_from_file_location("tpe_convergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tc(load_benchmark):
+    return load_benchmark("tpe_convergence")
 
 
 def test_synthetic_run_writes_summary_and_plot(tc, tmp_path, capsys):
