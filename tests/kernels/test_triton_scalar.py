@@ -118,6 +118,18 @@ def test_one_beta_returns_the_whole_beta_gradient(op, policy):
         assert rel_rms(got[n], ref[n]) <= ORDINARY, n
 
 
+def test_one_beta_bad_input_is_refused():
+    x = make_inputs("gdn", 1, 64, 1, 32, 32, seed=3)
+    fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=1.0, initial_state=None)
+    kw = dict(scale=1.0, initial_state=None, schedule=BASE, one_beta=True)
+    g_vec = x["g"][..., None].expand_as(x["q"]).contiguous()
+    with pytest.raises(ValueError, match="one_beta applies to scalar gates"):
+        rewy_backward_triton(x["q"], x["k"], x["v"], g_vec, x["beta"], x["beta"], fwd.A, x["do"], None, **kw)
+    with pytest.raises(ValueError, match="one_beta: erase and write must share a dtype"):
+        rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"].half(), fwd.A, x["do"], None,
+                             **kw)
+
+
 @pytest.mark.parametrize("K", [32, 64])
 @pytest.mark.parametrize("T", [64, 100, 128])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
