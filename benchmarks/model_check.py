@@ -452,9 +452,34 @@ def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
             traceback.print_exc(limit=-6, file=sys.stdout)
         finally:
             harness.set_mode(None)
+        if res["timing"] and harness.cuda:
+            try:
+                res["op_share"] = operator_share(kind, args)
+            except Exception as exc:  # noqa: BLE001
+                res["errors"]["operator share"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc(limit=-6, file=sys.stdout)
     res["checks"] = verdict_checks(res, args)
     res["passed"] = all(c["passed"] for c in res["checks"])
     return res
+
+
+def operator_share(kind: str, args) -> dict:
+    """Issue #6's bar: what the operator alone saves per step. One layer's op at the model's shape, timed like
+    `rewy-tune bench` (CUDA graphs, interleaved, FLA in the same process), as the model swaps it: FLA's stock op
+    (its default, recompute) against ours under --policy with the dispatcher's schedule. Forward + backward,
+    because policy A's forward saves more than FLA's default. Times every layer count."""
+    shape = (args.batch, args.seq_len, args.heads)
+    V = int(args.head_dim * args.expand_v)
+    r = measure.measure_shape(kind, measure.rewy_op_fn(kind, args.policy, None), fla_baseline.fla_op(kind, "R"),
+                              shape, K=args.head_dim, V=V, rounds=args.rounds)
+    fla_fb, ours_fb = statistics.median(r.fla.fwd_bwd_ms), statistics.median(r.ours.fwd_bwd_ms)
+    out = dict(shape=list(shape), K=args.head_dim, V=V, layers=args.layers, policy=args.policy,
+               fla_fwd_bwd_ms=fla_fb, ours_fwd_bwd_ms=ours_fb, fla_backward_ms=r.fla.median,
+               ours_backward_ms=r.ours.median, expected_step_saving_ms=args.layers * (fla_fb - ours_fb))
+    print(f"[operator] {kind} at {shape}, K={args.head_dim} V={V}: forward+backward FLA (stock) {fla_fb:.4f} ms, "
+          f"ours (policy {args.policy}) {ours_fb:.4f} ms; backward {r.fla.median:.4f} / {r.ours.median:.4f} ms; "
+          f"{args.layers} layers save {out['expected_step_saving_ms']:+.3f} ms a step", flush=True)
+    return out
 
 
 def _print_worst(res: dict, n: int = 5) -> None:
@@ -616,6 +641,14 @@ def verdict_checks(res: dict, args) -> list[dict]:
                     + (f"; over the threshold of every reference: {_few(sorted(failing))}" if failing else
                        f"; every parameter within {_pct(gates.ORDINARY_RTOL)} ({_pct(gates.GATE_RTOL)} gate path) "
                        "of at least one reference"))
+    share, timed = res.get("op_share"), res.get("timing", {}).get("modes", {})
+    if share and "rewy-stock" in timed and "fla-stock" in timed:
+        fla, ours = timed["fla-stock"]["median_step_ms"], timed["rewy-stock"]["median_step_ms"]
+        want = share["expected_step_saving_ms"]
+        add("step faster by the operator's gain", fla - ours >= want,
+            f"step {fla:.3f} -> {ours:.3f} ms ({fla - ours:+.3f} ms, {fla / ours:.3f}x, {res['timing']['method']}); "
+            f"the operator alone saves {want:+.3f} ms ({share['layers']} layers x (FLA {share['fla_fwd_bwd_ms']:.4f} "
+            f"- ours {share['ours_fwd_bwd_ms']:.4f} ms forward+backward), {fla / max(fla - want, 1e-9):.3f}x)")
     through = {m: r["substitute_passthrough"] for m, r in modes.items() if r.get("substitute_passthrough")}
     if any(res["mode_layers"].get(m) == "substituted" for m in modes):
         add("substitute handled every call", not through,

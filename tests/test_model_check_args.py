@@ -66,3 +66,15 @@ def test_gradient_thresholds_are_checked_at_fp32_and_reported_at_bf16(mc, dtype,
     checks = {c["name"]: c for c in mc.verdict_checks(res, mc.parse_args(["--dtype", dtype]))}
     assert checks[name]["passed"] is passed and "worst vs oracle 4%" in checks[name]["detail"]
     assert checks["loss"]["passed"] and "oracle computes the stock layer's call" in checks
+
+
+@pytest.mark.parametrize("rewy_step,passed", [(15.10, True), (15.60, False)])
+def test_step_must_save_at_least_what_the_operator_saves(mc, rewy_step, passed):
+    # Issue #6's bar: the operator at the model's shape saves 4 x (0.60 - 0.53) = 0.28 ms a step; the step must too.
+    res = dict(errors={}, mode_layers={}, modes={}, comparisons={},
+               timing=dict(method="cuda-graph", modes={"fla-stock": dict(median_step_ms=15.82),
+                                                       "rewy-stock": dict(median_step_ms=rewy_step)}),
+               op_share=dict(layers=4, fla_fwd_bwd_ms=0.60, ours_fwd_bwd_ms=0.53, expected_step_saving_ms=0.28))
+    check = {c["name"]: c for c in mc.verdict_checks(res, mc.parse_args([]))}["step faster by the operator's gain"]
+    assert check["passed"] is passed
+    assert "the operator alone saves +0.280 ms" in check["detail"] and "cuda-graph" in check["detail"]
