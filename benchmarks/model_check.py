@@ -468,9 +468,17 @@ def operator_share(kind: str, args) -> dict:
     `rewy-tune bench` (CUDA graphs, interleaved, FLA in the same process), as the model swaps it: FLA's stock op
     (its default, recompute) against ours under --policy with the dispatcher's schedule. Forward + backward,
     because policy A's forward saves more than FLA's default. Times every layer count."""
+    from rewy_tune import warmup
+    from rewy_tune.problem import Problem
+
     shape = (args.batch, args.seq_len, args.heads)
     V = int(args.head_dim * args.expand_v)
-    r = measure.measure_shape(kind, measure.rewy_op_fn(kind, args.policy, None), fla_baseline.fla_op(kind, "R"),
+    schedule, _ = rewy_tune.lookup(Problem(kind, args.policy, args.dtype, *shape, args.head_dim, V))
+    if args.precompile:  # FLA's bare op autotunes other kernels than the layer's call: compile them in parallel too
+        warmup.warm([warmup.WarmTask(kind, "R", schedule.to_dict(), [shape], args.head_dim, V),
+                     warmup.WarmTask(kind, args.policy, schedule.to_dict(), [shape], args.head_dim, V, with_fla=False)],
+                    jobs=args.precompile)
+    r = measure.measure_shape(kind, measure.rewy_op_fn(kind, args.policy, schedule), fla_baseline.fla_op(kind, "R"),
                               shape, K=args.head_dim, V=V, rounds=args.rounds)
     fla_fb, ours_fb = statistics.median(r.fla.fwd_bwd_ms), statistics.median(r.ours.fwd_bwd_ms)
     out = dict(shape=list(shape), K=args.head_dim, V=V, layers=args.layers, policy=args.policy,

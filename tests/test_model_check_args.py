@@ -78,3 +78,24 @@ def test_step_must_save_at_least_what_the_operator_saves(mc, rewy_step, passed):
     check = {c["name"]: c for c in mc.verdict_checks(res, mc.parse_args([]))}["step faster by the operator's gain"]
     assert check["passed"] is passed
     assert "the operator alone saves +0.280 ms" in check["detail"] and "cuda-graph" in check["detail"]
+
+
+def test_operator_share_times_fla_stock_against_ours_at_the_model_shape(mc, monkeypatch):
+    # The share is measured like `rewy-tune bench` (stubbed here): FLA's stock op (policy R, its default) against
+    # ours under --policy with the dispatcher's schedule, forward + backward, times the layer count.
+    from rewy_tune import measure, warmup
+
+    seen = {}
+
+    def fake_measure(op, ours, fla, shape, *, K, V, rounds):
+        seen.update(op=op, shape=shape, K=K, V=V, rounds=rounds)
+        side = lambda fb, b: measure.SideTiming(backward_ms=[b] * 30, fwd_bwd_ms=[fb] * 30)
+        return measure.ShapeResult(shape=shape, K=K, V=V, ours=side(0.50, 0.40), fla=side(0.60, 0.55))
+
+    monkeypatch.setattr(measure, "measure_shape", fake_measure)
+    monkeypatch.setattr(warmup, "warm", lambda tasks, jobs: seen.update(warm=[(t.policy, t.with_fla) for t in tasks]))
+    args = mc.parse_args(["--models", "kda", "--policy", "A", "--seq-len", "256", "--layers", "3", "--precompile", "2"])
+    out = mc.operator_share("kda", args)
+    assert seen["shape"] == (1, 256, 8) and seen["rounds"] >= 30 and seen["warm"] == [("R", True), ("A", False)]
+    assert out["expected_step_saving_ms"] == pytest.approx(3 * (0.60 - 0.50))
+    assert out["fla_backward_ms"] == 0.55 and out["ours_backward_ms"] == 0.40
