@@ -50,7 +50,7 @@ step_campaign() {
 step_sweep() {  # SWEEP_OPS: "all", one operator, or several run one after another (sweep-OP.log / .json each)
   for op in ${SWEEP_OPS:-all}; do
     timeout "${SWEEP_S:-300}" python3 benchmarks/profile_stages.py --op "$op" --jobs "${SWEEP_JOBS:-12}" \
-      --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} \
+      --shapes ${SWEEP_SHAPES:-1,8192,4 1,8192,16} ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} ${SWEEP_ARGS:-} \
       --json "$RES/sweep-$op.json" > "$OUT/sweep-$op.log" 2>&1
     echo "sweep $op rc=$?"; grep -vE "Warning|return \[o for o" "$OUT/sweep-$op.log" | tail -c 6000
   done

@@ -80,6 +80,14 @@ def variants_for(op: str, base):
         # The joint scalar consumer with 16-bit states compiles to the same PTX at 1, 2 and 3 stages (session 9,
         # sm_90 compile on a CPU), so stage variants of it would time the default's binary again.
         out["cons64x128"] = base.replace(consumer_cfg={"block_v": 128})
+        # Session 10: the tiled consumer (phase 1 once per chunk, a program per K tile). sm_90 cubins read on a
+        # CPU: tile kernel 32 x 64 at 8 warps 254 registers and no stack (joint default: 1 216 B), 64 x 64 8 warps
+        # 256 B, 32 x 32 4 warps 288 B; pairs kernel at 8 warps 40 B (block_v 32) / 88 B (64), at 4 warps 1 080 B.
+        for name, cfg, pairs in (("tiled", {"block_k": 32, "block_v": 64}, {"block_v": 32, "num_warps": 8}),
+                                 ("tiled64", {"block_k": 64, "block_v": 64}, {"block_v": 64, "num_warps": 8}),
+                                 ("tiled32w4", {"block_k": 32, "block_v": 32, "num_warps": 4},
+                                  {"block_v": 64, "num_warps": 8})):
+            out[name] = base.replace(consumer="tiled", consumer_cfg=cfg, producer=pairs)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and the KDA/GDN2 default (waves 0: always split) under the rule
     out["unsplit"] = base.replace(forward_scan_segments=1, reverse_scan_segments=1)
@@ -94,7 +102,9 @@ def main():
     p.add_argument("--policy", default="R")
     p.add_argument("--shapes", nargs="+", default=["1,8192,4", "1,8192,16"])
     p.add_argument("--jobs", type=int, default=None, help="compile-ahead processes (default: warmup's)")
-    p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the default")
+    p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
+    p.add_argument("--profile", default="default",
+                   help="comma-separated variants whose per-kernel device times are printed (default: default)")
     p.add_argument("--json", default=None, help="write {op: {variant: {shape: [ours_ms, fla_ms]}}}")
     p.add_argument("--variants", default=None,
                    help="comma-separated variant names to run (default: all); names an operator lacks are skipped")
@@ -121,8 +131,11 @@ def main():
         fla = fla_baseline.fla_op(op, args.policy)
         for shape in shapes:
             print(f"== {op} {args.policy} {shape}")
-            if not args.no_profile:
-                for name, ms in kernel_times(op, args.policy, plan[op]["default"], shape).most_common(10):
+            for pname in ([] if args.no_profile else args.profile.split(",")):
+                if pname not in plan[op] or (op, pname) in broken:
+                    continue
+                print(f"   per kernel, {pname}:")
+                for name, ms in kernel_times(op, args.policy, plan[op][pname], shape).most_common(10):
                     print(f"   {ms:8.4f}  {name}")
             for vname, sched in plan[op].items():
                 if (op, vname) in broken:
