@@ -5,8 +5,9 @@
 #   STEPS="tests bench" bash benchmarks/device_check.sh
 # Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
-# results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA),
-# enumerate (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
+# results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA; SWEEP_ARGS
+# extra options, e.g. "--profile default,NAME"; a cold host needs SWEEP_S >= 300 to compile ahead), enumerate
+# (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
 # counters of one backward's local kernels, benchmarks/one_backward.py), models
 # (benchmarks/model_check.py).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside

@@ -80,14 +80,6 @@ def variants_for(op: str, base):
         # The joint scalar consumer with 16-bit states compiles to the same PTX at 1, 2 and 3 stages (session 9,
         # sm_90 compile on a CPU), so stage variants of it would time the default's binary again.
         out["cons64x128"] = base.replace(consumer_cfg={"block_v": 128})
-        # Session 10: the tiled consumer (phase 1 once per chunk, a program per K tile). sm_90 cubins read on a
-        # CPU: tile kernel 32 x 64 at 8 warps 254 registers and no stack (joint default: 1 216 B), 64 x 64 8 warps
-        # 256 B, 32 x 32 4 warps 288 B; pairs kernel at 8 warps 40 B (block_v 32) / 88 B (64), at 4 warps 1 080 B.
-        for name, cfg, pairs in (("tiled", {"block_k": 32, "block_v": 64}, {"block_v": 32, "num_warps": 8}),
-                                 ("tiled64", {"block_k": 64, "block_v": 64}, {"block_v": 64, "num_warps": 8}),
-                                 ("tiled32w4", {"block_k": 32, "block_v": 32, "num_warps": 4},
-                                  {"block_v": 64, "num_warps": 8})):
-            out[name] = base.replace(consumer="tiled", consumer_cfg=cfg, producer=pairs)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and the KDA/GDN2 default (waves 0: always split) under the rule
     out["unsplit"] = base.replace(forward_scan_segments=1, reverse_scan_segments=1)

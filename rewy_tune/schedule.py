@@ -10,11 +10,8 @@ Stage map (rewy-math §§3–6):
 - ``dv_local``       A_qkᵀ dO with A_qk recomputed from q, k, G (vector gates with ``dv_local_source ==
                      "forward"``: the forward's saved A_qk, FLA's Aqk, read instead; block_v, warps, stages only)
 - ``reverse_scan``   dS1 per chunk, R̄, dh0; block_k × block_v is the scan's state tile
-- ``producer``       P = AᵀR̄, D = −L_<(P Rᵀ) written to memory (``consumer == "separate"``); with
-                     ``consumer == "tiled"`` (DeltaNet/GDN only) the consumer's phase-1 kernel: P, the chunk's
-                     n×n products Γ_q, Γ_r, dv, written once per chunk
-- ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip; tiled: one program per
-                     (K tile, chunk) reading P and Γ)
+- ``producer``       P = AᵀR̄, D = −L_<(P Rᵀ) written to memory (only when ``consumer == "separate"``)
+- ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip)
 - ``cumsum``         the reverse in-chunk cumsum of the gate adjoint (block_k: feature tile of vector gates)
 
 Which StageConfig members a stage reads: recompute, dv_local, consumer_cfg all four; forward_scan and
@@ -35,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-CONSUMER_MODES = ("joint", "separate", "tiled")  # "tiled": scalar gates only
+CONSUMER_MODES = ("joint", "separate")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -102,7 +99,7 @@ class Schedule:
     consumer_cfg: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
     cumsum: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 1))
     state_dtype: str = "fp32"  # storage of per-chunk states S0 / dS1 written by the scans
-    consumer: str = "joint"  # "joint": producer fused in; "separate": P, D via memory; "tiled": see the stage map
+    consumer: str = "joint"  # "joint": producer fused into the consumer; "separate": P, D via memory
     pd_dtype: str = "fp32"  # storage dtype of P and D when consumer == "separate"
     intra: str = "auto"  # vector-gate intra (KDA/GDN2): centred whole-chunk or 16-row sub-chunk
     intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee") or 3×tf32 ("tf32x3")

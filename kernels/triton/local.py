@@ -356,233 +356,6 @@ def rewy_bwd_kernel_consumer(
         tl.store(gbar + tok, b_out, mask=m_row)
 
 
-# --------------------------------------------------------------------------------------------------
-# Tiled consumer: the chunk's n×n products once (pairs), then one program per (K tile, chunk)
-# --------------------------------------------------------------------------------------------------
-# The joint consumer walks every K tile in one program: 255 registers, ~1.2 KB of spills, one CTA per SM, and
-# at B·H >= 16 it is most of the backward (session 7: 0.26 of 0.47 ms). Here phase 1 (P, H, D, dv, Γ) runs once
-# per chunk and writes P and Γ_q, Γ_r in the input dtype (the dtype the joint kernel feeds its products: the
-# same numbers), and phase 2 gets a program per K tile: no Aᵀ, no P product and no Γ in the V loop's registers,
-# and NK times the programs. Per-token sums over K (d_erase, Ḡ) come back as NK partials, summed on the host.
-@triton.jit(do_not_specialize=["T", "H"])
-def rewy_bwd_kernel_pairs(
-    v, G, write, A, R, Rbar, do,
-    P, GQ, GR, HD, DWR, dv,
-    T, scale,
-    H, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr,
-):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    o_i = tl.arange(0, BT)
-    rows = t0 + o_i
-    m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
-    bos = (i_b * T * H + i_h).to(tl.int64)
-    DT = v.dtype.element_ty
-    v += bos * V
-    R += bos * V
-    Rbar += bos * V
-    do += bos * V
-    P += bos * V
-    dv += bos * V
-
-    b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
-    # Aᵀ loaded transposed, j ≤ i kept (as in the joint consumer)
-    p_at = tl.make_block_ptr(A + bos * BT, (BT, T), (1, H * BT), (0, t0), (BT, BT), (0, 1))
-    b_at = tl.where(o_i[:, None] <= o_i[None, :], tl.load(p_at, boundary_check=(0, 1)), 0.0).to(DT)
-    b_D = tl.zeros([BT, BT], dtype=tl.float32)  # P Rᵀ
-    b_H = tl.zeros([BT, BT], dtype=tl.float32)  # dO Rᵀ
-    b_hd = tl.zeros([BT], dtype=tl.float32)  # ⟨dO_i, R_i⟩
-    b_dwr = tl.zeros([BT], dtype=tl.float32)  # ⟨V_i, P_i⟩
-    for i_v in range(0, (V + BV - 1) // BV):
-        p_r = tl.make_block_ptr(R, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
-        p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_rb = tl.make_block_ptr(Rbar, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_v = tl.make_block_ptr(v, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_p = tl.make_block_ptr(P, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_dv = tl.make_block_ptr(dv, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
-        b_rt = tl.load(p_rt, boundary_check=(0, 1)).to(DT)
-        b_p = _mma(b_at, tl.load(p_rb, boundary_check=(0, 1)).to(DT), PREC)
-        tl.store(p_p, b_p.to(DT), boundary_check=(0, 1))
-        b_D += _mma(b_p.to(DT), b_rt, PREC)
-        b_H += _mma(b_do, b_rt, PREC)
-        b_hd += tl.sum(b_do.to(tl.float32) * tl.load(p_r, boundary_check=(0, 1)).to(tl.float32), axis=1)
-        b_dwr += tl.sum(tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_p, axis=1)
-        tl.store(p_dv, (b_w[:, None] * b_p).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
-
-    m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
-    if USE_G:
-        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
-        b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
-        b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0)
-        b_gr = tl.where(m_lt, -b_D * b_lam, 0.0)
-    else:
-        b_gq = tl.where(m_lt, b_H * scale, 0.0)
-        b_gr = tl.where(m_lt, -b_D, 0.0)
-    p_gq = tl.make_block_ptr(GQ + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    p_gr = tl.make_block_ptr(GR + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    tl.store(p_gq, b_gq.to(DT), boundary_check=(0, 1))
-    tl.store(p_gr, b_gr.to(DT), boundary_check=(0, 1))
-    tl.store(HD + tok, b_hd, mask=m_row)
-    tl.store(DWR + tok, b_dwr, mask=m_row)
-
-
-@triton.jit(do_not_specialize=["T", "NT", "H", "N_TOK"])
-def rewy_bwd_kernel_consumer_tile(
-    q, k, G, erase, R, S0, dS1, do, P, GQ, GR, HD,
-    dq, dk, dk_col, gbar_part, derase_part,
-    T, NT, N_TOK, scale,
-    H, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr,
-):
-    # The joint consumer's phase 2 for one K tile (same products, same order of terms); see its comments.
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    o_i = tl.arange(0, BT)
-    rows = t0 + o_i
-    m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
-    n_last = tl.minimum(T - t0, BT) - 1
-    is_last = o_i == n_last
-    bos = (i_b * T * H + i_h).to(tl.int64)
-    s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
-    DT = k.dtype.element_ty
-    q += bos * K
-    k += bos * K
-    dq += bos * K
-    dk += bos * K
-    dk_col += bos * K
-    R += bos * V
-    do += bos * V
-    P += bos * V
-    S0 += s_off
-    dS1 += s_off
-
-    b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ  (= −Ē_dir)
-    b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
-    b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
-    b_frob = tl.zeros([BV], dtype=tl.float32)
-    for i_v in range(0, (V + BV - 1) // BV):
-        p_r = tl.make_block_ptr(R, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_p = tl.make_block_ptr(P, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_s0t = tl.make_block_ptr(S0, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
-        p_ds1t = tl.make_block_ptr(dS1, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
-        b_s0t = tl.load(p_s0t, boundary_check=(0, 1))
-        b_ds1t = tl.load(p_ds1t, boundary_check=(0, 1))
-        if USE_G:
-            b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=1)
-        b_pe += _mma(tl.load(p_p, boundary_check=(0, 1)).to(DT), b_s0t.to(DT), PREC)
-        b_qg += _mma(tl.load(p_do, boundary_check=(0, 1)).to(DT), b_s0t.to(DT), PREC)
-        b_kt += _mma(tl.load(p_r, boundary_check=(0, 1)).to(DT), b_ds1t.to(DT), PREC)
-
-    b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
-    b_hd = tl.load(HD + tok, mask=m_row, other=0.0)
-    p_gq = tl.make_block_ptr(GQ + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    p_gr = tl.make_block_ptr(GR + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
-    b_gq = tl.load(p_gq, boundary_check=(0, 1))
-    b_gr = tl.load(p_gr, boundary_check=(0, 1))
-    p_q = tl.make_block_ptr(q, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_qt = tl.make_block_ptr(q, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
-    p_kt = tl.make_block_ptr(k, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
-    # column side B_Qᵀ + B_Kᵀ through the fp32 scratch (no register transpose: FLA issue 640)
-    b_ktr = tl.load(p_kt, boundary_check=(0, 1))
-    b_bt = _mma(tl.load(p_qt, boundary_check=(0, 1)).to(DT), b_gq, PREC)
-    b_bt += _mma((b_ktr.to(tl.float32) * b_e[None, :]).to(DT), b_gr, PREC)
-    p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
-    tl.store(p_ct, b_bt, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_kf = b_k.to(tl.float32)
-    b_qf = b_q.to(tl.float32)
-    b_aq = _mma(b_gq, b_k.to(DT), PREC)
-    if USE_G:
-        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
-        b_gn = tl.sum(tl.where(is_last, b_g, 0.0), axis=0)
-        b_gamma = tl.where(m_row, tl.exp(b_g), 0.0)
-        b_tau = tl.where(m_row, tl.exp(b_gn - b_g), 0.0)
-        b_gb_col = tl.sum(b_ktr.to(tl.float32) * b_bt, axis=0)
-        b_dq = (scale * b_gamma)[:, None] * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
-        b_gb = scale * b_gamma * tl.sum(b_qf * b_qg, axis=1) + tl.sum(b_qf * b_aq, axis=1)
-    else:
-        b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
-    p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
-
-    b_ak = _mma(b_gr, b_k.to(DT), PREC)
-    b_edir = -b_pe
-    part = i_k.to(tl.int64) * N_TOK + tok
-    if USE_G:
-        b_ke = tl.sum(b_kf * b_edir, axis=1)
-        b_kak = tl.sum(b_kf * b_ak, axis=1)
-        b_kkt = tl.sum(b_kf * b_kt, axis=1)
-        b_dkr = ((b_e * b_gamma)[:, None] * b_edir + b_e[:, None] * b_ak + b_tau[:, None] * b_kt
-                 + (scale * b_hd)[:, None] * b_qf)
-        b_der = b_gamma * b_ke + b_kak
-        b_gb += b_e * b_gamma * b_ke + b_e * b_kak
-        b_tail = tl.where(is_last, 0.0, b_tau * b_kkt)
-        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * tl.sum(b_frob, axis=0)
-        tl.store(gbar_part + part, b_gb - b_gb_col - b_tail + tl.where(is_last, b_end, 0.0), mask=m_row)
-    else:
-        b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
-        b_der = tl.sum(b_kf * (b_edir + b_ak), axis=1)
-    tl.store(derase_part + part, b_der, mask=m_row)
-
-    tl.debug_barrier()
-    p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    b_dkr += tl.load(p_c, boundary_check=(0, 1))
-    p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    tl.store(p_dk, b_dkr.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
-
-
-def consumer_pairs(v, G, write, A, R, Rbar, do, *, scale: float, chunk_size: int = 64, BV: int = 64,
-                   num_warps: int = 4, num_stages: int = 2):
-    """Phase 1 of the tiled consumer, once per chunk: returns P [B,T,H,V] and Γ_q, Γ_r [B,T,H,C] in v's dtype,
-    ⟨dO_i, R_i⟩ and d_write = ⟨V_i, P_i⟩ fp32 [B,T,H], and dv = write ⊙ P in v's dtype."""
-    B, T, H, V = v.shape
-    C = chunk_size
-    NT = triton.cdiv(T, C)
-    P = torch.empty_like(v)
-    GQ = torch.empty(B, T, H, C, dtype=v.dtype, device=v.device)
-    GR = torch.empty_like(GQ)
-    HD = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
-    DWR = torch.empty_like(HD)
-    dv = torch.empty_like(v)
-    rewy_bwd_kernel_pairs[(NT, B * H)](
-        v, G, write, A, R, Rbar, do, P, GQ, GR, HD, DWR, dv, T, float(scale),
-        H=H, V=V, BT=C, BV=BV, USE_G=G is not None, PREC=dot_precision(v.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return P, GQ, GR, HD, DWR, dv
-
-
-def consumer_tiles(q, k, G, erase, R, S0, dS1, do, P, GQ, GR, HD, *, scale: float, chunk_size: int = 64,
-                   BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2):
-    """Phase 2 of the tiled consumer, a program per (K tile, chunk): dq, dk in q's dtype, and the per-token
-    sums over K as [NK,B,T,H] fp32 partials: d_erase's (without d_write) and Ḡ's (None without a gate)."""
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    C = chunk_size
-    NT, NK = triton.cdiv(T, C), triton.cdiv(K, BK)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    derase_part = torch.empty(NK, B, T, H, dtype=torch.float32, device=q.device)
-    gbar_part = torch.empty_like(derase_part) if G is not None else None
-    rewy_bwd_kernel_consumer_tile[(NK, NT, B * H)](
-        q, k, G, erase, R, S0, dS1, do, P, GQ, GR, HD, dq, dk, dk_col, gbar_part, derase_part,
-        T, NT, B * T * H, float(scale),
-        H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return dq, dk, derase_part, gbar_part
-
-
 def _check_scalar_gate(G, shape) -> None:
     if G is not None and tuple(G.shape) != tuple(shape):
         raise ValueError(f"G must be None or a scalar gate of shape {tuple(shape)} for DeltaNet/GDN kernels, "
@@ -591,10 +364,8 @@ def _check_scalar_gate(G, shape) -> None:
 
 def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
              chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-             one_beta: bool = False, pairs=None):
-    """ReWY consumer (§5–6.2). Joint when P and D are None (producer fused), separate otherwise; tiled when
-    ``pairs`` (the phase-1 kernel's StageConfig: block_v, num_warps, num_stages) is given: two kernels, the
-    chunk's n×n products once, then a program per (K tile, chunk) with BK, BV, num_warps, num_stages.
+             one_beta: bool = False):
+    """ReWY consumer (§5–6.2). Joint when P and D are None (producer fused), separate otherwise.
 
     Returns (dq, dk, dv, Gbar, d_erase, d_write): dq, dk, dv in the input dtypes, d_erase/d_write in the
     dtypes of erase/write, Gbar fp32 [B,T,H] (gate adjoint w.r.t. the cumulative gate; None without gate).
@@ -613,28 +384,13 @@ def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float,
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
-    if one_beta and erase.dtype != write.dtype:
-        raise ValueError(f"one_beta: erase and write must share a dtype, got {erase.dtype} and {write.dtype}")
-    if pairs is not None:
-        if P is not None:
-            raise ValueError("the tiled consumer computes P itself: pass pairs or P and D, not both")
-        P, GQ, GR, HD, DWR, dv = consumer_pairs(v, G, write, A, R, Rbar, do, scale=scale, chunk_size=chunk_size,
-                                                BV=pairs.block_v, num_warps=pairs.num_warps,
-                                                num_stages=pairs.num_stages)
-        dq, dk, der, gbar = consumer_tiles(q, k, G, erase, R, S0, dS1, do, P, GQ, GR, HD, scale=scale,
-                                           chunk_size=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
-                                           num_stages=num_stages)
-        del P, GQ, GR
-        der = der.sum(0)
-        gbar = gbar.sum(0) if gbar is not None else None
-        if one_beta:
-            return dq, dk, dv, gbar, (der + DWR).to(erase.dtype), None
-        return dq, dk, dv, gbar, der.to(erase.dtype), DWR.to(write.dtype)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    if one_beta and erase.dtype != write.dtype:
+        raise ValueError(f"one_beta: erase and write must share a dtype, got {erase.dtype} and {write.dtype}")
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
     rewy_bwd_kernel_consumer[(NT, B * H)](

@@ -10,8 +10,7 @@ Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
-reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer (tiled, scalar
-gates only: producer → the consumer's phase-1 kernel); cumsum → chunk_cumsum / reverse_chunk_cumsum;
+reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer; cumsum → chunk_cumsum / reverse_chunk_cumsum;
 intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk
 in dv_local).
 """
@@ -132,8 +131,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages)` and
     `consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale, P, D, chunk_size, BK, BV,
-    num_warps, num_stages, pairs) -> (dq, dk, dv, Ḡ, d_erase, d_write)` (scalar: `local.py`, vector:
-    `vector_local.py`; pairs: the tiled consumer's phase-1 StageConfig, None otherwise).
+    num_warps, num_stages) -> (dq, dk, dv, Ḡ, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
     Inputs are checked by the caller.
     """
     q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
@@ -182,8 +180,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     cc = sc.consumer_cfg
     dq, dk, dv, gbar, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
-        BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages,
-        pairs=sc.producer if sc.consumer == "tiled" else None)
+        BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages)
 
     dg = None
     if g is not None:

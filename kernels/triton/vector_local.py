@@ -517,7 +517,7 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                    intra: str = "auto", intra_precision: str = "ieee", pairs=None):
+                    intra: str = "auto", intra_precision: str = "ieee"):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise.
 
     Returns (dq, dk, dv, Gbar, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
@@ -538,8 +538,6 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     for name, t in (("S0", S0), ("dS1", dS1)):
         if tuple(t.shape) != (B, NT, H, K, V):
             raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
-    if pairs is not None:
-        raise ValueError("the tiled consumer is for scalar gates (DeltaNet/GDN); vector gates take 'joint' or 'separate'")
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
@@ -603,9 +601,6 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
         if t is not None and tuple(t.shape) != (B, H, K, V):
             raise ValueError(f"{name} must be [B,H,K,V]={(B, H, K, V)}, got {tuple(t.shape)}")
     schedule.validate_for(K, V)
-    if schedule.consumer == "tiled":
-        raise ValueError("schedule.consumer='tiled' is a DeltaNet/GDN (scalar gate) mode; KDA/GDN2 accept "
-                         "'joint' or 'separate'")
     from_forward = schedule.dv_local_source == "forward"
     if from_forward:
         if Aqk is None:

@@ -34,9 +34,6 @@ OTHERS = {
     "separate-fp32-bk16": BASE.replace(consumer="separate", pd_dtype="fp32", consumer_cfg={"block_k": 16, "block_v": 16}),
     "separate-input-bv64": BASE.replace(consumer="separate", pd_dtype="input", producer={"block_v": 64},
                                         consumer_cfg={"block_k": 64, "block_v": 64}, dv_local={"block_k": 16, "block_v": 64}),
-    # tiled: two K tiles at K = 32 (partial sums over K), pairs kernel with one V tile at V = 64
-    "tiled-bk16": BASE.replace(consumer="tiled", consumer_cfg={"block_k": 16, "block_v": 32},
-                               producer={"block_v": 64}),
 }
 
 
@@ -154,7 +151,7 @@ def test_other_schedules(op, name, policy):
 
 
 
-@pytest.mark.parametrize("consumer", ["joint", "separate", "tiled"])
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_consumer_several_k_tiles(op, consumer):
     # The consumer's n×n phase runs once per chunk and its K loop is a run-time loop: several K tiles
@@ -376,32 +373,11 @@ def test_gpu_head_dims(op, KV):
     assert_gates(run_triton(x, s), oracle(x), ctx=f"gpu {op} K=V={KV} fp32")
 
 
-def _gpu_tiled():
-    """The tiled consumer at the tiles that compile without spills for sm_90 (profile_stages' "tiled")."""
-    return _gpu_default().replace(consumer="tiled", consumer_cfg={"block_k": 32, "block_v": 64, "num_warps": 8},
-                                  producer={"block_v": 32, "num_warps": 8})
-
-
 @pytest.mark.gpu
-@BF16_ON_INTERPRETER
-@pytest.mark.parametrize("op", ["deltanet", "gdn"])
-@pytest.mark.parametrize("B,T,H", [(2, 2048, 16), (1, 8192, 4), (1, 1000, 4)])
-def test_gpu_tiled_consumer(op, B, T, H):
-    # bf16 at benchmark shapes and a tail, then fp32 under both policies at the project gate
-    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
-    assert_bf16(run_triton(x, _gpu_tiled()), oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
-                f"gpu tiled {op} {B},{T},{H}")
-    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.float32, device="cuda", seed=T + H, gate_div=1.0)
-    ref = oracle(x)
-    for policy in ("R", "A"):
-        assert_gates(run_triton(x, _gpu_tiled(), policy), ref, ctx=f"gpu fp32 tiled {op} {B},{T},{H} {policy}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("consumer", ["joint", "separate", "tiled"])
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
 def test_gpu_run_twice_bitwise(consumer):
     x = make_inputs("gdn", 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
-    s = _gpu_tiled() if consumer == "tiled" else _gpu_default().replace(consumer=consumer)
+    s = _gpu_default().replace(consumer=consumer)
     a, b = run_triton(x, s), run_triton(x, s)
     for n in NAMES:
         assert torch.equal(a[n], b[n]), n
