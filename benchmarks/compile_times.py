@@ -11,7 +11,10 @@ launches that one backward of an operator makes with a given schedule:
    frame at 255 registers is register spilling, what ncu reports as local-memory spill requests on the GPU).
 
     python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
-                                       [--dtype bf16|fp32] [--gate]
+                                       [--dtype bf16|fp32] [--gate] [--sass KERNEL,...]
+
+--sass prints the named kernels' static SASS opcode counts (nvdisasm): spill loads/stores, barriers, tensor-core
+and global-memory instructions.
 
 --gate records what one GPU trial of the tuner compiles instead: the gate's validation cases
 (`trial_worker.validation_cases`) and the warm-up at a workload shape (no initial state, as the benchmark).
@@ -118,7 +121,7 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _compile(launches: list[dict]) -> list[tuple[str, float, int]]:
+def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[str, float, int]]:
     os.environ.pop("TRITON_INTERPRET", None)
     import importlib
 
@@ -159,7 +162,29 @@ def _compile(launches: list[dict]) -> list[tuple[str, float, int]]:
         c0 = _cpu_seconds()
         c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target, options=opts)
         out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
+        if rec["name"] in sass:
+            print(f"{rec['name']} {opts}: {_instruction_mix(c.asm['cubin'])}")
     return out
+
+
+def _bundled_tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _instruction_mix(cubin: bytes, top: int = 24) -> str:
+    """Static SASS opcode counts (nvdisasm): spills (LDL/STL), barriers (BAR: layout conversions and reductions
+    through shared memory), tensor-core ops (HGMMA), global loads (LDG: synchronous; LDGSTS: cp.async)."""
+    import collections
+    import re
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_bundled_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text))
+    return f"{sum(ops.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
 
 
 def _resource_usage(cubin: bytes) -> str:
@@ -169,7 +194,7 @@ def _resource_usage(cubin: bytes) -> str:
 
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = _bundled_tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -187,6 +212,8 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--gate", action="store_true", help="what one GPU trial compiles: gate cases and warm-up")
+    ap.add_argument("--sass", default="", metavar="KERNELS",
+                    help="comma-separated kernel names whose static SASS instruction mix is printed")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -194,7 +221,7 @@ def main() -> None:
         pickle.dump(_record(args), open(args._file, "wb"))
         return
     if args._stage == "compile":
-        out = _compile(pickle.load(open(args._file, "rb")))
+        out = _compile(pickle.load(open(args._file, "rb")), set(filter(None, args.sass.split(","))))
         for name, s, shared, opts, usage in out:
             print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {usage}  {opts}")
         print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")

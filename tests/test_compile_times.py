@@ -37,6 +37,7 @@ PROGRAM = textwrap.dedent(f"""
     spec = importlib.util.spec_from_file_location("compile_times", {str(SCRIPT)!r})
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    print(mod._instruction_mix(c.asm["cubin"]))
     print(mod._resource_usage(c.asm["cubin"]))
 """)
 
@@ -54,3 +55,6 @@ def test_resource_usage_of_an_sm90_cubin(tmp_path):
     m = re.fullmatch(r"regs +(\d+) stack +(\d+) B", usage)
     assert m, usage
     assert 0 < int(m.group(1)) <= 255 and int(m.group(2)) == 0  # a copy kernel spills nothing
+    # --sass: static opcode counts (nvdisasm); the copy loads and stores, and spills nothing
+    mix = dict(re.findall(r"([A-Z][A-Z0-9_]*) (\d+)", out.stdout.strip().splitlines()[-2].split(";", 1)[1]))
+    assert int(mix["LDG"]) >= 1 and int(mix["STG"]) >= 1 and "LDL" not in mix, mix
