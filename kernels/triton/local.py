@@ -34,6 +34,10 @@ barrier, a row load), never through ``tl.trans``.
 # | separate, after                          | 255  | 1064    | 1444 / 1816     | 106496   |
 # | joint, after, 4 warps                    | 255  | 2792    | 5804 / 7744     | 81920    |
 # | joint, after, num_stages 1               | 255  |  848    | 1156 / 1416     | 65536    |
+# | joint, session 10: 4 epilogue row sums   | 255  |  976    |                 | 74752    |
+#
+# Session 10 (`compile_times.py --sass`): the epilogue's six per-token row sums became four (same products);
+# SHFL 381 → 295, BAR 95 → 83, LDL/STL 446/352 → 378/299, 7 952 → 7 288 instructions. Not yet timed on a GPU.
 #
 # Spills are reduced (−42 % stack), not removed. Tried and rejected (measured the same way): Γ_q/Γ_r and Aᵀ
 # through a global scratch instead of registers (stack 1528 B: worse); without the ⟨S0, dS1⟩ sum 1024 B and
@@ -314,8 +318,10 @@ def rewy_bwd_kernel_consumer(
         b_qf = b_q.to(tl.float32)
         b_aq = _mma(b_gq, b_k.to(DT), PREC)
         if USE_G:
-            b_dq = (scale * b_gamma)[:, None] * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
-            b_gb += scale * b_gamma * tl.sum(b_qf * b_qg, axis=1) + tl.sum(b_qf * b_aq, axis=1)
+            # one row sum for Ḡ's query side: ⟨Q, sγQ̄_g + A_Q⟩ (a row sum of an MMA-layout tile costs ~19 shuffles)
+            b_dqg = (scale * b_gamma)[:, None] * b_qg + b_aq
+            b_gb += tl.sum(b_qf * b_dqg, axis=1)
+            b_dq = b_dqg + (scale * b_hd)[:, None] * b_kf
         else:
             b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
         p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
@@ -325,13 +331,13 @@ def rewy_bwd_kernel_consumer(
         b_ak = _mma(b_gr, b_k.to(DT), PREC)
         b_edir = -b_pe
         if USE_G:
-            b_ke = tl.sum(b_kf * b_edir, axis=1)
-            b_kak = tl.sum(b_kf * b_ak, axis=1)
+            # ⟨K, γĒ_dir + A_K⟩ is d_erase's and (times e) Ḡ's erase-side term: one row sum for both
+            b_ea = b_gamma[:, None] * b_edir + b_ak
+            b_kea = tl.sum(b_kf * b_ea, axis=1)
             b_kkt = tl.sum(b_kf * b_kt, axis=1)
-            b_dkr = ((b_e * b_gamma)[:, None] * b_edir + b_e[:, None] * b_ak + b_tau[:, None] * b_kt
-                     + (scale * b_hd)[:, None] * b_qf)
-            b_der += b_gamma * b_ke + b_kak
-            b_gb += b_e * b_gamma * b_ke + b_e * b_kak
+            b_dkr = b_e[:, None] * b_ea + b_tau[:, None] * b_kt + (scale * b_hd)[:, None] * b_qf
+            b_der += b_kea
+            b_gb += b_e * b_kea
             b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
         else:
             b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
