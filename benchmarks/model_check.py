@@ -32,6 +32,10 @@ built from one seed, bf16, random token ids, cross-entropy loss):
    ``fla-stock`` median / ``rewy-stock`` median. ``--timing graph`` (default) replays each mode's step captured as
    two CUDA graphs (forward + loss, backward): eager steps of this model spread by ±30 % between rounds (host
    launch jitter, session 9). A model that cannot be captured is timed eagerly and the output says why.
+3. Issue #6's bar (after timing, on a GPU): the operator alone at the model's shape, timed like ``rewy-tune bench``
+   (FLA's stock op, its recompute default, against ours under ``--policy`` with the dispatcher's schedule; forward
+   + backward), times the layer count, is what the step is expected to save; the check passes when the step's
+   median saving is at least that.
 
 The op substitution (`OpSubstitute`, the remainder of the earlier layer adapter) is only needed by the two modes
 that cannot call FLA's op as the layer does: the float64 oracle, and in ``--dry-run`` the CPU stand-in for
@@ -467,7 +471,7 @@ def operator_share(kind: str, args) -> dict:
     """Issue #6's bar: what the operator alone saves per step. One layer's op at the model's shape, timed like
     `rewy-tune bench` (CUDA graphs, interleaved, FLA in the same process), as the model swaps it: FLA's stock op
     (its default, recompute) against ours under --policy with the dispatcher's schedule. Forward + backward,
-    because policy A's forward saves more than FLA's default. Times every layer count."""
+    because policy A's forward saves more than FLA's default. The expected step saving is that times the layer count."""
     from rewy_tune import warmup
     from rewy_tune.problem import Problem
 
