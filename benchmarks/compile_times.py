@@ -167,10 +167,19 @@ def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[s
     return out
 
 
-def _bundled_tool(name: str) -> str:
+def _cubin_tool(name: str, option: str, cubin: bytes) -> str:
+    """stdout of one of Triton's bundled CUDA binary tools (cuobjdump, nvdisasm) run on `cubin`."""
     import triton
 
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True).stdout
+
+
+# an instruction line of `nvdisasm -c`: /*addr*/, an optional predicate, the opcode
+SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
 
 
 def _instruction_mix(cubin: bytes, top: int = 24) -> str:
@@ -179,11 +188,7 @@ def _instruction_mix(cubin: bytes, top: int = 24) -> str:
     import collections
     import re
 
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([_bundled_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text))
+    ops = collections.Counter(m.group(1) for m in re.finditer(SASS_OPCODE, _cubin_tool("nvdisasm", "-c", cubin)))
     return f"{sum(ops.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
 
 
@@ -192,14 +197,7 @@ def _resource_usage(cubin: bytes) -> str:
     (Triton's bundled cuobjdump): the register pressure that ncu shows on the GPU, readable without one."""
     import re
 
-    import triton
-
-    tool = _bundled_tool("cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", _cubin_tool("cuobjdump", "-res-usage", cubin))
     return f"regs {m.group(1):>3} stack {m.group(2):>5} B" if m else "regs ?"
 
 
