@@ -39,4 +39,7 @@ def main(journal: str, db: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python benchmarks/journal_check.py JOURNAL DB  (a campaign's Optuna journal file and its "
+                 "SQLite database)")
     main(sys.argv[1], sys.argv[2])
