@@ -8,7 +8,7 @@
 # results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA; SWEEP_ARGS
 # extra options, e.g. "--profile default,NAME"; a cold host needs SWEEP_S >= 300 to compile ahead), enumerate
 # (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
-# counters of one backward's local kernels, benchmarks/one_backward.py), models
+# counters of one backward's local kernels, benchmarks/one_backward.py; NCU_FLA_KERNELS adds FLA's), models
 # (benchmarks/model_check.py).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
 # a one-worker campaign on GPU 0. The background steps write under bg/ (OUT and results); BG_SWEEP_OPS gives them
@@ -62,14 +62,24 @@ step_enumerate() {  # the exhaustive table for benchmarks/tpe_convergence.py
   echo "enumerate rc=$?"; tail -20 "$OUT/enumerate.log"
 }
 step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only: gVisor has none, H200.md)
+  # NCU_FLA_KERNELS: also profile FLA's operator (one_backward.py --fla) at the same shape, into ncu-fla.txt.
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "ncu: not found"; return; }
-  timeout "${NCU_S:-300}" "$ncu" --clock-control none --target-processes all \
-    -k "regex:${NCU_KERNELS:-rewy_bwd_kernel_(dv_local_vector|consumer_vector)}" -c "${NCU_COUNT:-4}" \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis python3 benchmarks/one_backward.py --op "${NCU_OP:-kda}" \
-    --shape "${NCU_SHAPE:-1,8192,16}" --reps 2 > "$RES/ncu.txt" 2>&1
-  echo "ncu rc=$?"; grep -E "^  [a-z_]+|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|Stall|Local Memory|==ERR" "$RES/ncu.txt" | head -60
+  local side kern file flag
+  for side in ours fla; do
+    if [ "$side" = ours ]; then kern=${NCU_KERNELS:-rewy_bwd_kernel_(dv_local_vector|consumer_vector)}; file=ncu.txt; flag=
+    else kern=${NCU_FLA_KERNELS:-}; file=ncu-fla.txt; flag=--fla; [ -n "$kern" ] || continue; fi
+    timeout "${NCU_S:-300}" "$ncu" --clock-control none --profile-from-start off --target-processes all -k "regex:$kern" -c "${NCU_COUNT:-4}" \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 benchmarks/one_backward.py --op "${NCU_OP:-kda}" --policy "${NCU_POLICY:-R}" $flag \
+      --shape "${NCU_SHAPE:-1,8192,16}" --reps 2 > "$RES/$file" 2>&1
+    echo "ncu $side rc=$?"
+    grep -E "^  [a-z_]+|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|Local Memory|==ERR" "$RES/$file" | head -40
+    # stall reasons (cycles per issued instruction), the largest first, per kernel launch
+    awk '/^  [a-z_]+/ {k=$1} /issue_stalled_.*per_issue_active/ {n=$1; sub(/smsp__average_warps_issue_stalled_/,"",n);
+      sub(/_per_issue_active.ratio/,"",n); if ($NF+0 > 0.3) print k, n, $NF}' "$RES/$file" | sort -k1,1 -k3,3nr | head -40
+  done
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \
