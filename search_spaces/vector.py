@@ -286,6 +286,9 @@ VECTOR_H200 = {
     "cumsum": StageConfig(64, 64, 4, 1),
     "state_dtype": "fp32", "consumer": "joint", "pd_dtype": "fp32", "intra": "auto", "intra_precision": "ieee",
     "forward_scan_segments": 4, "reverse_scan_segments": 8, "dv_local_source": "forward",
+    # Session 11: the split limited to two waves of programs (vector scans skip the "split pays" rule, scan.py):
+    # at B·H = 32 the reverse scan runs four segments instead of eight (KDA (2, 2048, 16) 1.120 -> 1.047 ms under R).
+    "scan_split_waves": 2,
 }
 
 

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .recompute import dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
+from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
 
 @triton.jit
@@ -455,6 +455,11 @@ MIN_CAPPED_SEGMENTS = 3
 # (eight chunks, split 4 / 4 of two chunks: 8 + 4 steps against 8) ran 1.08× FLA unsplit and 0.90× split
 # (benchmarks/RESULTS.md, session 8); at 32 chunks and more the split won.
 SPLIT_OVERHEAD_STEPS = 4
+# The rule above was measured on scalar-gate scans. Vector-gate scans (KDA, GDN2) do more work per chunk step, and
+# there the split paid even where the rule forbids it: KDA at (1, 512, 4), 4 / 4 segments of two chunks, ran 0.64x
+# FLA split (session 7) and 0.54x unsplit (session 11); GDN2 0.67x and 0.58x (benchmarks/RESULTS.md). They take the occupancy
+# limit only, which at B·H = 32 (four reverse segments instead of eight) made KDA 6 % faster.
+VECTOR_SPLIT_OVERHEAD_STEPS = None
 # The SM count the occupancy limit assumes for tensors that are not on a GPU (the Triton interpreter): small, so that
 # the CPU tests see the limit both cut and keep a split.
 INTERPRETER_SMS = 8
@@ -477,18 +482,24 @@ def split_program_limit(waves: int, device: torch.device) -> int:
     return waves * sms
 
 
-def _segments(NT: int, num_segments: int, programs: int = 1, max_programs: int = 0) -> tuple[int, int]:
+def _split_overhead(gk: int) -> int | None:
+    return VECTOR_SPLIT_OVERHEAD_STEPS if gk == GATE_VECTOR else SPLIT_OVERHEAD_STEPS
+
+
+def _segments(NT: int, num_segments: int, programs: int = 1, max_programs: int = 0,
+              overhead_steps: int | None = SPLIT_OVERHEAD_STEPS) -> tuple[int, int]:
     """(segments actually used, chunks per segment): at most num_segments, each of at least MIN_SEGMENT_CHUNKS
     chunks (one segment when NT is smaller), none empty. With max_programs > 0 (a `split_program_limit`), also at
     most max_programs // programs segments (programs: the grid of one segment), none when that limit leaves
-    fewer than MIN_CAPPED_SEGMENTS, and none unless 2·CPS + NS + SPLIT_OVERHEAD_STEPS < NT (the split pays)."""
+    fewer than MIN_CAPPED_SEGMENTS, and none unless 2·CPS + NS + overhead_steps < NT (the split pays; None: no
+    such rule, as for vector gates)."""
     if max_programs > 0 and num_segments > 1:
         fit = max_programs // max(1, programs)
         if fit < num_segments:
             num_segments = fit if fit >= MIN_CAPPED_SEGMENTS else 1
     cps = triton.cdiv(NT, max(1, min(num_segments, NT // MIN_SEGMENT_CHUNKS)))
     ns = triton.cdiv(NT, cps)
-    if max_programs > 0 and ns > 1 and 2 * cps + ns + SPLIT_OVERHEAD_STEPS >= NT:
+    if max_programs > 0 and ns > 1 and overhead_steps is not None and 2 * cps + ns + overhead_steps >= NT:
         return 1, NT
     return ns, cps
 
@@ -528,7 +539,7 @@ def forward_state_scan(
     h0 = initial_state.contiguous() if initial_state is not None else None
     NT = triton.cdiv(T, chunk_size)
     NV = triton.cdiv(V, BV)
-    NS, CPS = _segments(NT, num_segments, NV * B * H, split_max_programs)
+    NS, CPS = _segments(NT, num_segments, NV * B * H, split_max_programs, _split_overhead(gk))
     VP = NV * BV
     prec = dot_precision(k.dtype)
     Hs = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
@@ -593,7 +604,7 @@ def reverse_state_scan(
     dht = dht.contiguous() if dht is not None else None
     NT = triton.cdiv(T, chunk_size)
     NV = triton.cdiv(V, BV)
-    NS, CPS = _segments(NT, num_segments, NV * B * H, split_max_programs)
+    NS, CPS = _segments(NT, num_segments, NV * B * H, split_max_programs, _split_overhead(gk))
     VP = NV * BV
     prec = dot_precision(k.dtype)
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)

@@ -244,6 +244,21 @@ def test_segments_occupancy_limit(NT, asked, programs, limit, used):
                                      and 2 * cps + ns + SPLIT_OVERHEAD_STEPS < NT)
 
 
+@pytest.mark.parametrize("NT,asked,programs,limit,used", [
+    (8, 8, 4, 132, 4),       # T = 512: the split that the scalar rule drops is kept (vector gates: it pays)
+    (16, 4, 32, 264, 4),     # T = 1024, likewise
+    (32, 8, 64, 264, 4),     # B·H = 32, reverse scan (two programs per head): the limit still caps it at four
+    (128, 8, 128, 264, 1),   # and still drops a cut below MIN_CAPPED_SEGMENTS
+])
+def test_segments_vector_gates_take_the_limit_only(NT, asked, programs, limit, used):
+    from rewy_tune.kernels.triton.recompute import GATE_SCALAR, GATE_VECTOR
+    from rewy_tune.kernels.triton.scan import _segments, _split_overhead
+
+    assert _segments(NT, asked, programs, limit, _split_overhead(GATE_VECTOR)) == (used, -(-NT // used))
+    if used > 1 and NT <= 16:  # the scalar rule drops these splits
+        assert _segments(NT, asked, programs, limit, _split_overhead(GATE_SCALAR))[0] == 1
+
+
 def _scan_inputs(B, T, H, K, V, C, gate, dtype, seed):
     s64 = make_system(B, T, H, K, V, C, gate, vec_erase=(gate == "vector"), seed=seed, device=DEV)
     W64, U64 = ref_recompute(s64["k"], s64["v"], s64["G"], s64["e"], s64["w"], s64["A"].nan_to_num(), C)
