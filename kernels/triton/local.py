@@ -37,7 +37,12 @@ barrier, a row load), never through ``tl.trans``.
 # | joint, session 10: 4 epilogue row sums   | 255  |  976    |                 | 74752    |
 #
 # Session 10 (`compile_times.py --sass`): the epilogue's six per-token row sums became four (same products);
-# SHFL 381 → 295, BAR 95 → 83, LDL/STL 446/352 → 378/299, 7 952 → 7 288 instructions. Not yet timed on a GPU.
+# SHFL 381 → 295, BAR 95 → 83, LDL/STL 446/352 → 378/299, 7 952 → 7 288 instructions. On the H200 (session 11)
+# GDN's benchmark geomean went 1.018 → 1.053× FLA under R and 1.000 → 1.034× under A; its GPU gates pass.
+# Session 11, tried and rejected: phase 1 writing P over R̄'s rows and phase 2 loading it instead of recomputing
+# it per K tile (4 of 30 products fewer, no extra buffer). Stack 976 → 1 096 B, and the same speed within 0.6 %
+# at every shape (GDN (2, 2048, 16) 0.4441 ms both ways): the consumer is bound by issuing instructions, not
+# by its products (ncu, benchmarks/RESULTS.md session 11).
 #
 # Spills are reduced (−42 % stack), not removed. Tried and rejected (measured the same way): Γ_q/Γ_r and Aᵀ
 # through a global scratch instead of registers (stack 1528 B: worse); without the ⟨S0, dS1⟩ sum 1024 B and
