@@ -457,8 +457,8 @@ MIN_CAPPED_SEGMENTS = 3
 SPLIT_OVERHEAD_STEPS = 4
 # The rule above was measured on scalar-gate scans. Vector-gate scans (KDA, GDN2) do more work per chunk step, and
 # there the split paid even where the rule forbids it: KDA at (1, 512, 4), 4 / 4 segments of two chunks, ran 0.64x
-# FLA split (session 7) and 0.54x unsplit (session 11); GDN2 0.67x and 0.58x (benchmarks/RESULTS.md). They take the occupancy
-# limit only, which at B·H = 32 (four reverse segments instead of eight) made KDA 6 % faster.
+# FLA split (session 7) and 0.54x unsplit (session 11); GDN2 0.67x and 0.58x (benchmarks/RESULTS.md). They take
+# the occupancy limit only, which at B·H = 32 (four reverse segments instead of eight) made KDA 6 % faster.
 VECTOR_SPLIT_OVERHEAD_STEPS = None
 # The SM count the occupancy limit assumes for tensors that are not on a GPU (the Triton interpreter): small, so that
 # the CPU tests see the limit both cut and keep a split.
