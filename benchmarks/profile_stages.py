@@ -80,6 +80,10 @@ def variants_for(op: str, base):
         # The joint scalar consumer with 16-bit states compiles to the same PTX at 1, 2 and 3 stages (session 9,
         # sm_90 compile on a CPU), so stage variants of it would time the default's binary again.
         out["cons64x128"] = base.replace(consumer_cfg={"block_v": 128})
+        # Session 11: the joint consumer through tensor descriptors (consumer_tma.py). sm_90 code read on a CPU at
+        # 64 x 64, 8 warps: 3 464 instructions against 7 288, stack 240 B against 976, SHFL 73 against 295.
+        out["tma"] = base.replace(consumer="joint_tma")
+        out["tma-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_stages": 1})
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and the KDA/GDN2 default (waves 0: always split) under the rule
     out["unsplit"] = base.replace(forward_scan_segments=1, reverse_scan_segments=1)

@@ -11,7 +11,8 @@ Stage map (rewy-math §§3–6):
                      "forward"``: the forward's saved A_qk, FLA's Aqk, read instead; block_v, warps, stages only)
 - ``reverse_scan``   dS1 per chunk, R̄, dh0; block_k × block_v is the scan's state tile
 - ``producer``       P = AᵀR̄, D = −L_<(P Rᵀ) written to memory (only when ``consumer == "separate"``)
-- ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip)
+- ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip; joint_tma: the same
+                     with tensor-descriptor loads and stores, DeltaNet/GDN only, `kernels/triton/consumer_tma.py`)
 - ``cumsum``         the reverse in-chunk cumsum of the gate adjoint (block_k: feature tile of vector gates)
 
 Which StageConfig members a stage reads: recompute, dv_local, consumer_cfg all four; forward_scan and
@@ -32,7 +33,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-CONSUMER_MODES = ("joint", "separate")
+CONSUMER_MODES = ("joint", "separate", "joint_tma")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -99,7 +100,8 @@ class Schedule:
     consumer_cfg: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 2))
     cumsum: StageConfig = field(default_factory=lambda: StageConfig(64, 64, 4, 1))
     state_dtype: str = "fp32"  # storage of per-chunk states S0 / dS1 written by the scans
-    consumer: str = "joint"  # "joint": producer fused into the consumer; "separate": P, D via memory
+    consumer: str = "joint"  # "joint": producer fused into the consumer; "separate": P, D via memory;
+    # "joint_tma": joint through tensor descriptors (TMA on sm_90; scalar gates only)
     pd_dtype: str = "fp32"  # storage dtype of P and D when consumer == "separate"
     intra: str = "auto"  # vector-gate intra (KDA/GDN2): centred whole-chunk or 16-row sub-chunk
     intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee") or 3×tf32 ("tf32x3")

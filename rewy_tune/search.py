@@ -175,7 +175,8 @@ def suggest_schedule(trial, *, op: str, K: int, V: int, compute_capability: tupl
     )
     cumsum_warps = trial.suggest_categorical("cumsum.num_warps", (1, 2, 4))
     values["cumsum"] = StageConfig(blocks[-1], blocks[-1], cumsum_warps, 1)
-    consumer = trial.suggest_categorical("consumer", ("joint", "separate"))
+    consumer = trial.suggest_categorical(
+        "consumer", ("joint", "separate") if op in VECTOR_GATE_OPS else ("joint", "separate", "joint_tma"))
     values["consumer"] = consumer
     if consumer == "separate":  # conditional group: only exists for the separate consumer
         values["pd_dtype"] = trial.suggest_categorical("pd_dtype", ("fp32", "input"))

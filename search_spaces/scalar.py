@@ -56,7 +56,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
     scan_k = [max(16, _pow2_ceil(K))]  # the scans hold all K rows of the state tile
     out: dict[str, list[Any]] = {
         "chunk_size": [64],  # FLA's forward saves A at chunk 64
-        "consumer": ["joint", "separate"],
+        "consumer": ["joint", "separate", "joint_tma"],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
         "intra": ["auto"],
@@ -135,7 +135,7 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     if schedule.consumer == "separate":
         est["producer"] = C * C * e + (2 * C * pr.block_v * e) * pr.num_stages + C * pr.block_v * e
     cc = schedule.consumer_cfg
-    joint = schedule.consumer == "joint"
+    joint = schedule.consumer in ("joint", "joint_tma")
     v_loop = (4 * C * cc.block_v * e + 2 * cc.block_v * cc.block_k * s4) * cc.num_stages
     if not joint:
         v_loop += C * cc.block_v * pd * cc.num_stages
@@ -188,6 +188,9 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)
     reasons += recompute_fault_reasons(schedule, e, compute_capability_of(problem_dims))
+    if schedule.consumer == "joint_tma" and (K % 8 or V % 8):
+        reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
+                       "multiples of 8 (the pipeline would run the pointer kernel instead)")
     return reasons
 
 

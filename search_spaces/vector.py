@@ -85,6 +85,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
     `dv_local_source` and the vector cumsum's feature tile."""
     # dv_local_source first: the tuner samples in this order and dv_local.block_k is conditional on it
     out = {"dv_local_source": list(DV_LOCAL_SOURCE_CHOICES), **scalar.space(K, V)}
+    out["consumer"] = ["joint", "separate"]  # "joint_tma" is a scalar-gate consumer
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)
@@ -218,6 +219,8 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     problem_dims: as for `scalar.constraint` (K, V; optional dtype, compute_capability or smem_limit)."""
     K, V, e, smem_limit = _dims(problem_dims)
     reasons = tile_reasons(schedule, K, V)
+    if schedule.consumer == "joint_tma":
+        reasons.append("consumer 'joint_tma' is a DeltaNet/GDN consumer; KDA/GDN2 take 'joint' or 'separate'")
     if schedule.intra not in INTRA_CHOICES:
         reasons.append(f"intra={schedule.intra!r} skips the range guard: exp(ΔG/2) overflows fp32 on strong "
                        f"decays (searched: {INTRA_CHOICES})")

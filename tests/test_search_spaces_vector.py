@@ -411,3 +411,24 @@ def test_sm90_compile_reproduces_the_h200_failures_and_the_model_bounds_them():
     for (n, (sched, required)), got in zip(failed.items(), shared):
         assert got == required, (n, got, required)  # the offline compile says what the H200 said
         assert vector.shared_memory_estimate(sched, 128, 128, 2)["reverse_scan"] >= got
+
+
+def test_joint_tma_is_a_scalar_gate_consumer():
+    # the descriptor consumer exists for DeltaNet/GDN only: searched there, rejected for KDA/GDN2 by the space,
+    # the constraint and the pipeline
+    import torch
+
+    from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
+
+    assert "joint_tma" in scalar.space(128, 128)["consumer"]
+    assert "joint_tma" not in vector.space(128, 128)["consumer"]
+    tma = vector.default_schedule((9, 0), K=128, V=128, op="kda", dtype="bf16").replace(consumer="joint_tma")
+    assert any("joint_tma" in r for r in vector.constraint(tma, H200))
+    scalar_tma = scalar.default_schedule((9, 0)).replace(consumer="joint_tma")
+    assert not scalar.constraint(scalar_tma, H200)
+    assert any("multiples of 8" in r for r in scalar.constraint(scalar_tma, {"K": 100, "V": 128}))
+    q = torch.zeros(1, 64, 1, 16)
+    v, g, beta = torch.zeros(1, 64, 1, 16), torch.zeros(1, 64, 1, 16), torch.zeros(1, 64, 1)
+    A = torch.zeros(1, 64, 1, 64)
+    with pytest.raises(ValueError, match="joint_tma"):
+        rewy_backward_triton(q, q, v, g, beta, beta, A, v, None, scale=1.0, initial_state=None, schedule=tma)

@@ -373,6 +373,22 @@ def _check_scalar_gate(G, shape) -> None:
                          f"got {tuple(G.shape)}")
 
 
+def _check_consumer_args(q, v, G, erase, write, S0, dS1, chunk_size: int, one_beta: bool) -> None:
+    """Shape and dtype rules shared by both consumer launchers (this module's and `consumer_tma`)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, chunk_size)
+    _check_scalar_gate(G, (B, T, H))
+    for name, t in (("erase", erase), ("write", write)):
+        if tuple(t.shape) != (B, T, H):
+            raise ValueError(f"{name} must be a per-token scalar [B,T,H]={(B, T, H)} here, got {tuple(t.shape)}")
+    for name, t in (("S0", S0), ("dS1", dS1)):
+        if tuple(t.shape) != (B, NT, H, K, V):
+            raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
+    if one_beta and erase.dtype != write.dtype:
+        raise ValueError(f"one_beta: erase and write must share a dtype, got {erase.dtype} and {write.dtype}")
+
+
 def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
              chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
              one_beta: bool = False):
@@ -385,13 +401,7 @@ def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float,
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk_size)
-    _check_scalar_gate(G, (B, T, H))
-    for name, t in (("erase", erase), ("write", write)):
-        if tuple(t.shape) != (B, T, H):
-            raise ValueError(f"{name} must be a per-token scalar [B,T,H]={(B, T, H)} here, got {tuple(t.shape)}")
-    for name, t in (("S0", S0), ("dS1", dS1)):
-        if tuple(t.shape) != (B, NT, H, K, V):
-            raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
+    _check_consumer_args(q, v, G, erase, write, S0, dS1, chunk_size, one_beta)
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
@@ -400,8 +410,6 @@ def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float,
     dv = torch.empty_like(v)
     dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
-    if one_beta and erase.dtype != write.dtype:
-        raise ValueError(f"one_beta: erase and write must share a dtype, got {erase.dtype} and {write.dtype}")
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
     rewy_bwd_kernel_consumer[(NT, B * H)](

@@ -10,7 +10,8 @@ Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
-reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer; cumsum →
+reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
+(joint_tma: `consumer_tma.py`); cumsum →
 chunk_cumsum / reverse_chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates
 form Λ exactly (and recompute A_qk in dv_local).
 """
@@ -23,6 +24,7 @@ import torch
 
 from rewy_tune.schedule import Schedule
 
+from .consumer_tma import consumer_tma, tma_supported
 from .cumsum import chunk_cumsum, reverse_chunk_cumsum
 from .local import consumer as run_consumer
 from .local import dv_local as run_dv_local
@@ -116,13 +118,25 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
 
         if one_beta:
             raise ValueError("one_beta applies to scalar gates (DeltaNet/GDN); vector gates return d_erase and d_write")
+        if isinstance(schedule, Schedule) and schedule.consumer == "joint_tma":
+            raise ValueError("schedule.consumer 'joint_tma' is a DeltaNet/GDN consumer; KDA/GDN2 accept 'joint' or "
+                             "'separate'")
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
                                            Aqk=Aqk)
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
                       schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local,
-                      consumer=functools.partial(run_consumer, one_beta=one_beta))
+                      consumer=functools.partial(_scalar_consumer, tma=schedule.consumer == "joint_tma",
+                                                 one_beta=one_beta))
+
+
+def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, **kw):
+    """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
+    (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding."""
+    if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
+        return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
+    return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,

@@ -34,6 +34,7 @@ OTHERS = {
     "separate-fp32-bk16": BASE.replace(consumer="separate", pd_dtype="fp32", consumer_cfg={"block_k": 16, "block_v": 16}),
     "separate-input-bv64": BASE.replace(consumer="separate", pd_dtype="input", producer={"block_v": 64},
                                         consumer_cfg={"block_k": 64, "block_v": 64}, dv_local={"block_k": 16, "block_v": 64}),
+    "tma-bk16-bv32": BASE.replace(consumer="joint_tma", consumer_cfg={"block_k": 16, "block_v": 32}),
 }
 
 
@@ -151,7 +152,7 @@ def test_other_schedules(op, name, policy):
 
 
 
-@pytest.mark.parametrize("consumer", ["joint", "separate"])
+@pytest.mark.parametrize("consumer", ["joint", "separate", "joint_tma"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_consumer_several_k_tiles(op, consumer):
     # The consumer's n×n phase runs once per chunk and its K loop is a run-time loop: several K tiles
@@ -164,6 +165,67 @@ def test_consumer_several_k_tiles(op, consumer):
     for n in NAMES:
         if out[n] is not None:
             assert rel_rms(out[n], other[n]) <= 1e-4, n
+
+
+def _consumer_args(gate, dtype, B=1, T=100, H=2, K=32, V=64, C=64):
+    """Random inputs of the scalar consumer launchers: (q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do)."""
+    gen = torch.Generator().manual_seed(41)
+    NT = -(-T // C)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    v, R, Rbar, do = (r(B, T, H, V) for _ in range(4))
+    A, S0, dS1 = r(B, T, H, C), r(B, NT, H, K, V, dt=torch.float32), r(B, NT, H, K, V, dt=torch.float32)
+    G = (-torch.rand(B, T, H, generator=gen)).cumsum(1) if gate else None
+    e, w = torch.rand(B, T, H, generator=gen).to(dtype), torch.rand(B, T, H, generator=gen).to(dtype)
+    return q, k, v, G, e, w, A, R, Rbar, S0, dS1, do
+
+
+@pytest.mark.parametrize("one_beta", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", [True, False])
+def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta):
+    # The descriptor kernel computes the pointer kernel's products in the same order: on the interpreter the two
+    # agree to fp32 rounding (numpy may pick another summation order for a transposed operand view; measured
+    # ≤ 3e-8), tail chunk (T = 100), several K and V tiles and K ≠ V included.
+    from rewy_tune.kernels.triton.consumer_tma import consumer_tma
+    from rewy_tune.kernels.triton.local import consumer
+
+    args = _consumer_args(gate, dtype)
+    kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32, one_beta=one_beta)
+    ours = consumer(*args, **kw)
+    tma = consumer_tma(*args, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "gbar", "d_erase", "d_write"), ours, tma):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert not a.isnan().any() and not b.isnan().any(), name
+            assert rel_rms(b, a) <= 1e-6, name
+
+
+def test_tma_consumer_falls_back_on_unaligned_tensors(monkeypatch):
+    # TMA needs 16-byte aligned bases: q at a 4-byte offset runs the pointer kernel, with the same gates
+    from rewy_tune.kernels.triton import consumer_tma as ct
+    from rewy_tune.kernels.triton import pipeline
+
+    x = make_inputs("gdn", 1, 100, 1, 32, 32, seed=43)
+    flat = torch.empty(x["q"].numel() + 1)
+    q = flat[1:].view_as(x["q"])
+    q.copy_(x["q"])
+    assert q.is_contiguous() and not ct.tma_supported(q) and ct.tma_supported(x["q"])
+    calls = []
+    monkeypatch.setattr(pipeline, "consumer_tma", lambda *a, **kw: calls.append(1))
+    out = run_triton({**x, "q": q}, BASE.replace(consumer="joint_tma"))
+    assert not calls
+    assert_gates(out, oracle(x), ctx="joint_tma on an unaligned q")
+    # called directly, the descriptor launcher refuses such a tensor by name of the rule
+    args = list(_consumer_args(True, torch.float32))
+    shifted = torch.empty(args[0].numel() + 1)[1:].view_as(args[0])
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ct.consumer_tma(shifted, *args[1:], scale=1.0)
+    with pytest.raises(ValueError, match="P and D must be None"):
+        ct.consumer_tma(*args, scale=1.0, P=args[7], D=args[6])
 
 
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
@@ -354,7 +416,8 @@ def test_gpu_bench_shapes_bf16(op, B, T, H):
 def test_gpu_fp32_gate(op, B, T, H, policy):
     # fp32 inputs at benchmark sizes: the project gate (0.8 % / 2 %), compiled kernels (tf32 never used: "ieee").
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.float32, device="cuda", seed=T + H, gate_div=1.0)
-    for name, s in (("default", _gpu_default()), ("separate", _gpu_default().replace(consumer="separate"))):
+    for name, s in (("default", _gpu_default()), ("separate", _gpu_default().replace(consumer="separate")),
+                    ("joint_tma", _gpu_default().replace(consumer="joint_tma"))):
         assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"gpu fp32 {op} {B},{T},{H} {policy} {name}")
 
 
@@ -374,7 +437,17 @@ def test_gpu_head_dims(op, KV):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("consumer", ["joint", "separate"])
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
+def test_gpu_tma_consumer_bf16(op, B, T, H):
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
+    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    assert_bf16(run_triton(x, _gpu_default().replace(consumer="joint_tma")), ref, f"gpu joint_tma {op} {B},{T},{H}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumer", ["joint", "separate", "joint_tma"])
 def test_gpu_run_twice_bitwise(consumer):
     x = make_inputs("gdn", 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
     s = _gpu_default().replace(consumer=consumer)
@@ -384,8 +457,9 @@ def test_gpu_run_twice_bitwise(consumer):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay():
-    s = _gpu_default()
+@pytest.mark.parametrize("consumer", ["joint", "joint_tma"])
+def test_gpu_cuda_graph_replay(consumer):
+    s = _gpu_default().replace(consumer=consumer)  # joint_tma: host-built descriptors captured in the graph
     x = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
     y = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=2, gate_div=1.0)
     scale = 128 ** -0.5
@@ -503,7 +577,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rewy_tune.kernels.triton import local
+from rewy_tune.kernels.triton import consumer_tma, local
 
 target = GPUTarget("cuda", 90, 32)
 def compile_(fn, sig, consts, nw):
@@ -533,6 +607,16 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
             compile_(local.rewy_bwd_kernel_consumer, sig,
                      {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "JOINT": joint,
                       "PREC": "ieee" if dt == "fp32" else "tf32", "ONE_BETA": joint}, 8)
+    d4 = lambda bd, t=dt: f"tensordesc<{t}[1, 64, 1, {bd}]>"
+    sig = {n: d4(64) for n in ("q_d", "k_d", "v_d", "r_d", "rb_d", "do_d", "dq_d", "dk_d", "dv_d")}
+    sig.update({"a_d": d4(64), "s0_d": f"tensordesc<{dt}[1, 64, 64]>", "ds1_d": f"tensordesc<{dt}[1, 64, 64]>"})
+    sig.update({"G": "*fp32", "erase": p, "write": p, "dk_col": "*fp32", "gbar": "*fp32", "derase": p, "dwrite": p})
+    sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
+    sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA")})
+    for use_g in (True, False):
+        compile_(consumer_tma.rewy_bwd_kernel_consumer_tma, sig,
+                 {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "PREC": "tf32",
+                  "ONE_BETA": use_g}, 8)
 print("compiled")
 """
 

@@ -1,0 +1,222 @@
+"""The joint scalar-gate consumer (DeltaNet, GDN) with tensor-descriptor loads: ``Schedule.consumer ==
+"joint_tma"``.
+
+Same mathematics, phases and outputs as ``local.rewy_bwd_kernel_consumer`` with ``JOINT`` (rewy-math §§5–6.2;
+read that kernel's docstring first). What differs is how tiles reach the tensor cores. On the H200 that kernel
+issues about 1.4× the instructions of the two FLA kernels it replaces at the same occupancy, and is bound by
+issuing them, not by memory or by its products (ncu, benchmarks/RESULTS.md session 11); its sm_90 code is mostly
+address arithmetic, register → shared-memory copies of loaded tiles and spills around 56 HGMMA. Here every input
+tile comes through a host-built tensor descriptor:
+
+- on sm_90 a descriptor load is one TMA copy into shared memory (no per-thread addresses, no boundary masks:
+  rows past T read as zero), which the MMA reads in place; elsewhere (and under the interpreter) Triton lowers it
+  to ordinary loads, so the kernel runs everywhere;
+- a transposed operand is the same loaded tile under ``tl.trans`` (R for Rᵀ, S0 for S0ᵀ, Q for Qᵀ, ...): one load
+  serves both orientations. No ``tl.trans`` touches an MMA result (FLA issue 640): the column side of dk still
+  goes through the fp32 scratch ``dk_col`` as in ``local.py``;
+- dq, dk, dv are stored through descriptors too (TMA stores clip rows past T).
+
+Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
+sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
+and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .recompute import dot_precision
+from .recompute import mm as _mma
+
+
+@triton.jit
+def _tile(desc, i_b, t0, i_h, col, BT: tl.constexpr, BD: tl.constexpr):
+    """The [BT, BD] tile at rows t0.. and columns col.. of head (i_b, i_h) of a [B, T, H, D] descriptor."""
+    return desc.load([i_b, t0, i_h, col]).reshape(BT, BD)
+
+
+@triton.jit(do_not_specialize=["T", "NT", "H"])
+def rewy_bwd_kernel_consumer_tma(
+    q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
+    G, erase, write, dk_col, gbar, derase, dwrite,
+    T, NT, scale,
+    H, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    o_i = tl.arange(0, BT)
+    rows = t0 + o_i
+    m_row = rows < T
+    tok = (i_b * T + rows) * H + i_h
+    n_last = tl.minimum(T - t0, BT) - 1
+    is_last = o_i == n_last
+    i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
+    bos = (i_b * T * H + i_h).to(tl.int64)
+    dk_col += bos * K
+    DT = k_d.dtype
+
+    b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
+    b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
+    if USE_G:
+        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
+        b_gn = tl.sum(tl.where(is_last, b_g, 0.0), axis=0)
+        b_gamma = tl.where(m_row, tl.exp(b_g), 0.0)
+        b_tau = tl.where(m_row, tl.exp(b_gn - b_g), 0.0)
+    # Aᵀ, keeping j ≤ i (FLA's buffer is not guaranteed zero above the diagonal of a tail chunk)
+    b_at = tl.trans(_tile(a_d, i_b, t0, i_h, 0, BT, BT))
+    b_at = tl.where(o_i[:, None] <= o_i[None, :], b_at, 0.0).to(DT)
+
+    # Phase 1: P = AᵀR̄ per V tile, H = dO Rᵀ, D = −L_<(P Rᵀ), dv, d_write, ⟨dO, R⟩
+    b_D = tl.zeros([BT, BT], dtype=tl.float32)
+    b_H = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hd = tl.zeros([BT], dtype=tl.float32)
+    b_dwr = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, (V + BV - 1) // BV):
+        b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV)
+        b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV)
+        b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
+        b_D += _mma(b_p.to(DT), tl.trans(b_r).to(DT), PREC)
+        b_H += _mma(b_do.to(DT), tl.trans(b_r).to(DT), PREC)
+        b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
+        b_dwr += tl.sum(_tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV).to(tl.float32) * b_p, axis=1)
+        dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
+
+    m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
+    b_D = tl.where(m_lt, -b_D, 0.0)
+    if USE_G:
+        b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
+        b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
+        b_gr = tl.where(m_lt, b_D * b_lam, 0.0).to(DT)
+    else:
+        b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
+        b_gr = b_D.to(DT)
+
+    b_der = tl.zeros([BT], dtype=tl.float32)
+    b_gb = tl.zeros([BT], dtype=tl.float32)
+    b_gb_col = tl.zeros([BT], dtype=tl.float32)
+    b_frob = tl.zeros([BK], dtype=tl.float32)  # ⟨S0, dS1⟩_F, partial per key row
+    b_tail = tl.zeros([BT], dtype=tl.float32)
+
+    # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue
+    for i_k in range(0, (K + BK - 1) // BK):
+        b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
+        b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
+        b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
+        for i_v in range(0, (V + BV - 1) // BV):
+            b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
+            b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
+            b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
+            b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)  # rows past K read as zero
+            b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
+            if USE_G:
+                b_frob += tl.sum(b_s0.to(tl.float32) * b_ds1.to(tl.float32), axis=1)
+            b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
+            b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
+            b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
+
+        b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
+        b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        # column side B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r, turned into rows through the fp32 scratch
+        b_bt = _mma(tl.trans(b_q).to(DT), b_gq, PREC)
+        b_bt += _mma(tl.trans(b_kf * b_e[:, None]).to(DT), b_gr, PREC)
+        p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
+        tl.store(p_ct, b_bt, boundary_check=(0, 1))
+        if USE_G:
+            b_gb_col += tl.sum(tl.trans(b_kf) * b_bt, axis=0)
+
+        b_aq = _mma(b_gq, b_k.to(DT), PREC)
+        if USE_G:
+            b_dqg = (scale * b_gamma)[:, None] * b_qg + b_aq
+            b_gb += tl.sum(b_qf * b_dqg, axis=1)
+            b_dq = b_dqg + (scale * b_hd)[:, None] * b_kf
+        else:
+            b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+        dq_d.store([i_b, t0, i_h, i_k * BK], b_dq.to(dq_d.dtype).reshape(1, BT, 1, BK))
+
+        b_ak = _mma(b_gr, b_k.to(DT), PREC)
+        b_edir = -b_pe
+        if USE_G:
+            b_ea = b_gamma[:, None] * b_edir + b_ak
+            b_kea = tl.sum(b_kf * b_ea, axis=1)
+            b_kkt = tl.sum(b_kf * b_kt, axis=1)
+            b_dkr = b_e[:, None] * b_ea + b_tau[:, None] * b_kt + (scale * b_hd)[:, None] * b_qf
+            b_der += b_kea
+            b_gb += b_e * b_kea
+            b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
+        else:
+            b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
+            b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
+
+        tl.debug_barrier()
+        p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        b_dkr += tl.load(p_c, boundary_check=(0, 1))
+        dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
+
+    if ONE_BETA:
+        tl.store(derase + tok, (b_der + b_dwr).to(derase.dtype.element_ty), mask=m_row)
+    else:
+        tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
+        tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+    if USE_G:
+        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * tl.sum(b_frob, axis=0)
+        b_out = b_gb - b_gb_col - b_tail + tl.where(is_last, b_end, 0.0)
+        tl.store(gbar + tok, b_out, mask=m_row)
+
+
+def tma_supported(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor meets TMA's layout rules: 16-byte aligned base and 16-byte multiple strides (but the
+    last, which must be 1). The pipeline uses the pointer consumer when this is False."""
+    for t in tensors:
+        esize = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * esize) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, [1, BT, 1, BD])
+
+
+def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
+                 chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
+                 one_beta: bool = False):
+    """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns)."""
+    from .local import _check_consumer_args
+
+    if P is not None or D is not None:
+        raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, chunk_size)
+    _check_consumer_args(q, v, G, erase, write, S0, dS1, chunk_size, one_beta)
+    if not tma_supported(q, k, v, R, Rbar, do, A, S0, dS1):
+        raise ValueError("consumer 'joint_tma' needs 16-byte aligned tensors with 16-byte multiple strides "
+                         "(contiguous, head dims a multiple of 8 elements)")
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    derase = torch.empty_like(erase)
+    dwrite = None if one_beta else torch.empty_like(write)
+    C = chunk_size
+    rewy_bwd_kernel_consumer_tma[(NT, B * H)](
+        _desc4(q, C, BK), _desc4(k, C, BK), _desc4(v, C, BV), _desc4(R, C, BV), _desc4(Rbar, C, BV),
+        _desc4(do, C, BV), _desc4(A, C, C),
+        TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
+        TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
+        _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV),
+        G, erase, write, dk_col, gbar, derase, dwrite,
+        T, NT, float(scale),
+        H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dq, dk, dv, gbar, derase, dwrite
