@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .local import _check_consumer_args, _dk_rows, _dq_rows, _gamma_matrices, _row_gates, _store_row_grads
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -63,11 +64,7 @@ def rewy_bwd_kernel_consumer_tma(
 
     b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
     b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
-    if USE_G:
-        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
-        b_gn = tl.sum(tl.where(is_last, b_g, 0.0), axis=0)
-        b_gamma = tl.where(m_row, tl.exp(b_g), 0.0)
-        b_tau = tl.where(m_row, tl.exp(b_gn - b_g), 0.0)
+    b_g, b_gn, b_gamma, b_tau = _row_gates(G, tok, m_row, is_last, BT, USE_G)
     # Aᵀ, keeping j ≤ i (FLA's buffer is not guaranteed zero above the diagonal of a tail chunk)
     b_at = tl.trans(_tile(a_d, i_b, t0, i_h, 0, BT, BT))
     b_at = tl.where(o_i[:, None] <= o_i[None, :], b_at, 0.0).to(DT)
@@ -89,13 +86,7 @@ def rewy_bwd_kernel_consumer_tma(
 
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_D = tl.where(m_lt, -b_D, 0.0)
-    if USE_G:
-        b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
-        b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
-        b_gr = tl.where(m_lt, b_D * b_lam, 0.0).to(DT)
-    else:
-        b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
-        b_gr = b_D.to(DT)
+    b_gq, b_gr = _gamma_matrices(b_H, b_D, b_g, m_lt, scale, DT, USE_G)
 
     b_der = tl.zeros([BT], dtype=tl.float32)
     b_gb = tl.zeros([BT], dtype=tl.float32)
@@ -133,42 +124,20 @@ def rewy_bwd_kernel_consumer_tma(
             b_gb_col += tl.sum(tl.trans(b_kf) * b_bt, axis=0)
 
         b_aq = _mma(b_gq, b_k.to(DT), PREC)
-        if USE_G:
-            b_dqg = (scale * b_gamma)[:, None] * b_qg + b_aq
-            b_gb += tl.sum(b_qf * b_dqg, axis=1)
-            b_dq = b_dqg + (scale * b_hd)[:, None] * b_kf
-        else:
-            b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+        b_dq, b_gb = _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G)
         dq_d.store([i_b, t0, i_h, i_k * BK], b_dq.to(dq_d.dtype).reshape(1, BT, 1, BK))
 
         b_ak = _mma(b_gr, b_k.to(DT), PREC)
-        b_edir = -b_pe
-        if USE_G:
-            b_ea = b_gamma[:, None] * b_edir + b_ak
-            b_kea = tl.sum(b_kf * b_ea, axis=1)
-            b_kkt = tl.sum(b_kf * b_kt, axis=1)
-            b_dkr = b_e[:, None] * b_ea + b_tau[:, None] * b_kt + (scale * b_hd)[:, None] * b_qf
-            b_der += b_kea
-            b_gb += b_e * b_kea
-            b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
-        else:
-            b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
-            b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
+        b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
+                                              b_der, b_gb, b_tail, scale, USE_G)
 
         tl.debug_barrier()
         p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         b_dkr += tl.load(p_c, boundary_check=(0, 1))
         dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
 
-    if ONE_BETA:
-        tl.store(derase + tok, (b_der + b_dwr).to(derase.dtype.element_ty), mask=m_row)
-    else:
-        tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
-        tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
-    if USE_G:
-        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * tl.sum(b_frob, axis=0)
-        b_out = b_gb - b_gb_col - b_tail + tl.where(is_last, b_end, 0.0)
-        tl.store(gbar + tok, b_out, mask=m_row)
+    _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
+                     ONE_BETA, USE_G)
 
 
 def tma_supported(*tensors: torch.Tensor) -> bool:
@@ -189,8 +158,6 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                  one_beta: bool = False):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns)."""
-    from .local import _check_consumer_args
-
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape

@@ -173,6 +173,89 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 # --------------------------------------------------------------------------------------------------
 # Consumer (joint or separate)
 # --------------------------------------------------------------------------------------------------
+# Row-level pieces shared by the two scalar consumers (this module's and consumer_tma.py's), which differ only in
+# how tiles are loaded and stored. Triton inlines them: the pointer kernel's sm_90 code is the same as before.
+@triton.jit
+def _row_gates(G, tok, m_row, is_last, BT: tl.constexpr, USE_G: tl.constexpr):
+    """Per row: G, its chunk-end value G_n (row n), γ = exp(G), τ = exp(G_n − G); zeros without a gate."""
+    if USE_G:
+        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
+        b_gn = tl.sum(tl.where(is_last, b_g, 0.0), axis=0)
+        b_gamma = tl.where(m_row, tl.exp(b_g), 0.0)
+        b_tau = tl.where(m_row, tl.exp(b_gn - b_g), 0.0)
+    else:
+        b_g = tl.zeros([BT], dtype=tl.float32)
+        b_gn = 0.0
+        b_gamma = b_g
+        b_tau = b_g
+    return b_g, b_gn, b_gamma, b_tau
+
+
+@triton.jit
+def _gamma_matrices(b_H, b_D, b_g, m_lt, scale, DT: tl.constexpr, USE_G: tl.constexpr):
+    """Γ_q = s H_< ⊙ Λ and Γ_r = D ⊙ Λ in the operand dtype (b_D: already −L_<(P Rᵀ)); the diagonal of H is added
+    elementwise in the epilogue."""
+    if USE_G:
+        b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
+        b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
+        b_gr = tl.where(m_lt, b_D * b_lam, 0.0).to(DT)
+    else:
+        b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
+        b_gr = b_D.to(DT)
+    return b_gq, b_gr
+
+
+@triton.jit
+def _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G: tl.constexpr):
+    """dq = s γ Q̄_g + A_Q + s⟨dO, R⟩ K (self term); with a gate, Ḡ's query side ⟨Q, sγQ̄_g + A_Q⟩ added to b_gb."""
+    if USE_G:
+        # one row sum for Ḡ's query side (a row sum of an MMA-layout tile costs ~19 shuffles)
+        b_dqg = (scale * b_gamma)[:, None] * b_qg + b_aq
+        b_gb += tl.sum(b_qf * b_dqg, axis=1)
+        b_dq = b_dqg + (scale * b_hd)[:, None] * b_kf
+    else:
+        b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+    return b_dq, b_gb
+
+
+@triton.jit
+def _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last, b_der, b_gb, b_tail, scale,
+             USE_G: tl.constexpr):
+    """dk's row side e γ Ē_dir + e A_K + τ K̄_t + s⟨dO, R⟩ Q (Ē_dir = −P S0ᵀ = −b_pe), accumulating d_erase, Ḡ and
+    the τ⟨K, K̄_t⟩ tail terms."""
+    b_edir = -b_pe
+    if USE_G:
+        # ⟨K, γĒ_dir + A_K⟩ is d_erase's and (times e) Ḡ's erase-side term: one row sum for both
+        b_ea = b_gamma[:, None] * b_edir + b_ak
+        b_kea = tl.sum(b_kf * b_ea, axis=1)
+        b_kkt = tl.sum(b_kf * b_kt, axis=1)
+        b_dkr = b_e[:, None] * b_ea + b_tau[:, None] * b_kt + (scale * b_hd)[:, None] * b_qf
+        b_der += b_kea
+        b_gb += b_e * b_kea
+        b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
+    else:
+        b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
+        b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
+    return b_dkr, b_der, b_gb, b_tail
+
+
+@triton.jit
+def _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
+                     ONE_BETA: tl.constexpr, USE_G: tl.constexpr):
+    """d_erase and d_write (or, one β, their sum in one buffer) and Ḡ per token."""
+    if ONE_BETA:
+        tl.store(derase + tok, (b_der + b_dwr).to(derase.dtype.element_ty), mask=m_row)
+    else:
+        tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
+        tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+    if USE_G:
+        # Ḡ_i −= τ_i⟨K_i, K̄_t,i⟩ for i < n; the last row's own term cancels exactly (self-term split, §6/§8.2),
+        # and the chunk-end decay of S0 and of the writes lands on row n.
+        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * tl.sum(b_frob, axis=0)
+        b_out = b_gb - b_gb_col - b_tail + tl.where(is_last, b_end, 0.0)
+        tl.store(gbar + tok, b_out, mask=m_row)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
@@ -212,11 +295,7 @@ def rewy_bwd_kernel_consumer(
 
     b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
     b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
-    if USE_G:
-        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
-        b_gn = tl.sum(tl.where(is_last, b_g, 0.0), axis=0)
-        b_gamma = tl.where(m_row, tl.exp(b_g), 0.0)
-        b_tau = tl.where(m_row, tl.exp(b_gn - b_g), 0.0)
+    b_g, b_gn, b_gamma, b_tau = _row_gates(G, tok, m_row, is_last, BT, USE_G)
     if JOINT:
         # Aᵀ[j, i] = A[i, j], loaded transposed from memory; keep j ≤ i (A is unit lower triangular; FLA's
         # buffer is not guaranteed zero above the diagonal of a tail chunk).
@@ -257,14 +336,7 @@ def rewy_bwd_kernel_consumer(
     else:
         p_d = tl.make_block_ptr(D + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0))
         b_D = tl.where(m_lt, tl.load(p_d, boundary_check=(0, 1)).to(tl.float32), 0.0)
-    # Γ_q = s H_< ⊙ Λ, Γ_r = D ⊙ Λ (the diagonal of H is added elementwise below)
-    if USE_G:
-        b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
-        b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
-        b_gr = tl.where(m_lt, b_D * b_lam, 0.0).to(DT)
-    else:
-        b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
-        b_gr = b_D.to(DT)
+    b_gq, b_gr = _gamma_matrices(b_H, b_D, b_g, m_lt, scale, DT, USE_G)
 
     b_der = tl.zeros([BT], dtype=tl.float32)  # d_erase
     b_gb = tl.zeros([BT], dtype=tl.float32)  # Ḡ (row side)
@@ -322,31 +394,14 @@ def rewy_bwd_kernel_consumer(
         b_kf = b_k.to(tl.float32)
         b_qf = b_q.to(tl.float32)
         b_aq = _mma(b_gq, b_k.to(DT), PREC)
-        if USE_G:
-            # one row sum for Ḡ's query side: ⟨Q, sγQ̄_g + A_Q⟩ (a row sum of an MMA-layout tile costs ~19 shuffles)
-            b_dqg = (scale * b_gamma)[:, None] * b_qg + b_aq
-            b_gb += tl.sum(b_qf * b_dqg, axis=1)
-            b_dq = b_dqg + (scale * b_hd)[:, None] * b_kf
-        else:
-            b_dq = scale * b_qg + b_aq + (scale * b_hd)[:, None] * b_kf
+        b_dq, b_gb = _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G)
         p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
 
-        # dk rows = e γ Ē_dir + e A_K + τ K̄_t (+ self term), A_K = Γ_r K, Ē_dir = −P S0ᵀ
+        # dk rows = e γ Ē_dir + e A_K + τ K̄_t (+ self term), A_K = Γ_r K
         b_ak = _mma(b_gr, b_k.to(DT), PREC)
-        b_edir = -b_pe
-        if USE_G:
-            # ⟨K, γĒ_dir + A_K⟩ is d_erase's and (times e) Ḡ's erase-side term: one row sum for both
-            b_ea = b_gamma[:, None] * b_edir + b_ak
-            b_kea = tl.sum(b_kf * b_ea, axis=1)
-            b_kkt = tl.sum(b_kf * b_kt, axis=1)
-            b_dkr = b_e[:, None] * b_ea + b_tau[:, None] * b_kt + (scale * b_hd)[:, None] * b_qf
-            b_der += b_kea
-            b_gb += b_e * b_kea
-            b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
-        else:
-            b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
-            b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
+        b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
+                                              b_der, b_gb, b_tail, scale, USE_G)
 
         tl.debug_barrier()
         p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
@@ -354,17 +409,8 @@ def rewy_bwd_kernel_consumer(
         p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         tl.store(p_dk, b_dkr.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
-    if ONE_BETA:  # erase and write are one β: its whole gradient, one buffer
-        tl.store(derase + tok, (b_der + b_dwr).to(derase.dtype.element_ty), mask=m_row)
-    else:
-        tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
-        tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
-    if USE_G:
-        # Ḡ_i −= τ_i⟨K_i, K̄_t,i⟩ for i < n; the last row's own term cancels exactly (self-term split, §6/§8.2),
-        # and the chunk-end decay of S0 and of the writes lands on row n.
-        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * tl.sum(b_frob, axis=0)
-        b_out = b_gb - b_gb_col - b_tail + tl.where(is_last, b_end, 0.0)
-        tl.store(gbar + tok, b_out, mask=m_row)
+    _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
+                     ONE_BETA, USE_G)
 
 
 def _check_scalar_gate(G, shape) -> None:
