@@ -174,7 +174,8 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 # Consumer (joint or separate)
 # --------------------------------------------------------------------------------------------------
 # Row-level pieces shared by the two scalar consumers (this module's and consumer_tma.py's), which differ only in
-# how tiles are loaded and stored. Triton inlines them: the pointer kernel's sm_90 code is the same as before.
+# how tiles are loaded and stored. Triton inlines them: the pointer kernel's sm_90 code has the same instructions
+# as before (opcode histogram; only register names, scheduling and commuted FMUL/FFMA operands differ).
 @triton.jit
 def _row_gates(G, tok, m_row, is_last, BT: tl.constexpr, USE_G: tl.constexpr):
     """Per row: G, its chunk-end value G_n (row n), γ = exp(G), τ = exp(G_n − G); zeros without a gate."""
