@@ -236,16 +236,18 @@ def test_no_initial_state_no_dht(op):
     assert_gates(out, oracle(x), ctx=f"{op} no h0/dht")
 
 
+@pytest.mark.parametrize("name", ["separate-fp32-bk16", "tma-bk16-bv32"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
-def test_beta_zero(op):
+def test_beta_zero(op, name):
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=5, beta_zero=True)
-    assert_gates(run_triton(x, OTHERS["separate-fp32-bk16"]), oracle(x), ctx=f"{op} beta zero")
+    assert_gates(run_triton(x, OTHERS[name]), oracle(x), ctx=f"{op} beta zero {name}")
 
 
-def test_strong_decay_gdn():
+@pytest.mark.parametrize("consumer", ["joint", "joint_tma"])
+def test_strong_decay_gdn(consumer):
     # g ≈ logsigmoid(N)·4: chunk gate ranges far past exp's fp32 range if Λ were split into exp(G_i)·exp(−G_j).
     x = make_inputs("gdn", 1, 128, 1, 32, 32, seed=11, gate_div=0.25)
-    assert_gates(run_triton(x, BASE), oracle(x), ctx="gdn strong decay")
+    assert_gates(run_triton(x, BASE.replace(consumer=consumer)), oracle(x), ctx=f"gdn strong decay {consumer}")
 
 
 def test_single_partial_chunk():
