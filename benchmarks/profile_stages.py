@@ -85,7 +85,8 @@ def variants_for(op: str, base):
         out["tma"] = base.replace(consumer="joint_tma")
         out["tma-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_stages": 1})
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
-    # and the KDA/GDN2 default (waves 0: always split) under the rule
+    # and a default without that limit (waves 0: always split) under it. Since session 11 every H200 default uses
+    # waves 2, so "waves2" appears only for other bases.
     out["unsplit"] = base.replace(forward_scan_segments=1, reverse_scan_segments=1)
     if base.scan_split_waves != 2:
         out["waves2"] = base.replace(scan_split_waves=2)

@@ -11,9 +11,8 @@ chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_s
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
 reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
-(joint_tma: `consumer_tma.py`); cumsum →
-chunk_cumsum / reverse_chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates
-form Λ exactly (and recompute A_qk in dv_local).
+(joint_tma: `consumer_tma.py`); cumsum → chunk_cumsum / reverse_chunk_cumsum; intra, intra_precision and
+dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in dv_local).
 """
 
 from __future__ import annotations

@@ -401,14 +401,15 @@ def assert_bf16(out, ref, ctx):
 
 @pytest.mark.gpu
 @BF16_ON_INTERPRETER
+@pytest.mark.parametrize("consumer", ["joint", "joint_tma"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
-def test_gpu_bench_shapes_bf16(op, B, T, H):
+def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
-        out = run_triton(x, _gpu_default().replace(state_dtype=states))
-        assert_bf16(out, ref, f"gpu {op} {B},{T},{H} {states} states")
+        out = run_triton(x, _gpu_default().replace(state_dtype=states, consumer=consumer))
+        assert_bf16(out, ref, f"gpu {op} {B},{T},{H} {consumer} {states} states")
 
 
 @pytest.mark.gpu
@@ -436,16 +437,6 @@ def test_gpu_head_dims(op, KV):
                 f"gpu {op} K=V={KV} bf16")
     x = make_inputs(op, 1, 1000, 4, KV, KV, dtype=torch.float32, device="cuda", seed=KV, gate_div=1.0)
     assert_gates(run_triton(x, s), oracle(x), ctx=f"gpu {op} K=V={KV} fp32")
-
-
-@pytest.mark.gpu
-@BF16_ON_INTERPRETER
-@pytest.mark.parametrize("op", ["deltanet", "gdn"])
-@pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
-def test_gpu_tma_consumer_bf16(op, B, T, H):
-    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
-    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
-    assert_bf16(run_triton(x, _gpu_default().replace(consumer="joint_tma")), ref, f"gpu joint_tma {op} {B},{T},{H}")
 
 
 @pytest.mark.gpu
