@@ -4,11 +4,14 @@ Compiles, ahead of time for sm_90 on any machine (Triton bundles ptxas; no GPU n
 launches that one backward of an operator makes with a given schedule:
 1. record: the backward runs once on the Triton interpreter at a small shape (same constexprs as the real
    launch: K, V, tiles, warps, stages); every `kernel[grid](...)` launch is recorded (argument types,
-   constexpr values, options);
+   constexpr values, options; host-built tensor descriptors as Triton's `tensordesc<...>` signature);
 2. compile: a fresh process without the interpreter compiles each recorded launch with an empty Triton
    cache and prints the CPU seconds per kernel (ptxas included; wall time depends on the machine's load), its
    shared memory, and its registers and stack frame per thread from the cubin (`cuobjdump -res-usage`: a stack
    frame at 255 registers is register spilling, what ncu reports as local-memory spill requests on the GPU).
+   Pointer arguments carry the 16-byte divisibility a GPU launch specializes on (torch allocations are aligned),
+   so the loads vectorize and pipeline as on the device; before session 12 they did not, and the static figures
+   of earlier sessions (benchmarks/RESULTS.md) overstate instructions and spills of the pointer kernels.
 
     python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
                                        [--dtype bf16|fp32] [--gate] [--sass KERNEL,...]
@@ -34,7 +37,7 @@ import sys
 import tempfile
 import time
 
-MODULES = ("recompute", "scan", "local", "vector_local", "cumsum")
+MODULES = ("recompute", "scan", "local", "consumer_tma", "vector_local", "cumsum")
 TORCH_TO_TRITON = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
                    "torch.int32": "i32", "torch.int64": "i64"}
 
@@ -98,8 +101,13 @@ def _record(args) -> list[dict]:
 def _kind(x):
     import torch
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     if isinstance(x, torch.Tensor):
         return ("ptr", TORCH_TO_TRITON[str(x.dtype)])
+    if isinstance(x, TensorDescriptor):  # consumer_tma's host-built descriptors: Triton's signature string
+        block = ",".join(str(b) for b in x.block_shape)
+        return ("desc", f"tensordesc<{TORCH_TO_TRITON[str(x.base.dtype)]}[{block}]>")
     if x == "upcast":  # the interpreter's stand-in for 16-bit tensor-core products (recompute.dot_precision)
         return ("const", "tf32")
     if x is None:
@@ -143,14 +151,22 @@ def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[s
                 opts[k] = v[1]
             else:
                 values[k] = v
-        sig, consts = {}, {}
-        for n in names:
+        sig, consts, attrs = {}, {}, {}
+        no_spec = {prm.name for prm in kernel.params if prm.do_not_specialize}
+        for i, n in enumerate(names):
             kind, val = values.get(n, ("none", None))
+            # What a GPU launch specializes on (Triton's "D" key): 16-byte aligned pointers (torch allocations
+            # are) and integers divisible by 16. Without it the compile vectorizes and pipelines less than the
+            # GPU's (session 12: the forward scan's shared memory read 10 500 B here and 67 840 B in ncu).
+            if kind == "ptr" or (kind == "int" and n not in no_spec and n not in constexpr_names and val % 16 == 0):
+                attrs[(i,)] = [["tt.divisibility", 16]]
             if n in constexpr_names or kind in ("none", "const"):
                 sig[n] = "constexpr"
                 consts[n] = val
             elif kind == "ptr":
                 sig[n] = "*" + val
+            elif kind == "desc":
+                sig[n] = val
             elif kind == "int":
                 sig[n] = "i32"
             else:
@@ -160,7 +176,8 @@ def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[s
             continue
         seen.add(key)
         c0 = _cpu_seconds()
-        c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target, options=opts)
+        c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                           options=opts)
         out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
         if rec["name"] in sass:
             print(f"{rec['name']} {opts}: {_instruction_mix(c.asm['cubin'])}")
