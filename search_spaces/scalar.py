@@ -29,6 +29,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TILES = [16, 32, 64, 128]
 WARPS = [2, 4, 8]
 STAGES_CHOICES = [1, 2, 3]
+# The scans' serial chunk loop is latency-bound: deeper prefetch of the next chunks' tiles is the lever FLA's own
+# autotuner pulls on the H200 (its picks at (2, 2048, 16): forward BV 32 with 4 stages, reverse BV 32 with 3).
+SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
@@ -72,7 +75,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         out[f"{stage}.block_k"] = bk
         out[f"{stage}.block_v"] = bv
         out[f"{stage}.num_warps"] = WARPS
-        out[f"{stage}.num_stages"] = STAGES_CHOICES
+        out[f"{stage}.num_stages"] = SCAN_STAGES_CHOICES if stage.endswith("_scan") else STAGES_CHOICES
     out["cumsum.block_k"] = [64]
     out["cumsum.block_v"] = [64]
     out["cumsum.num_warps"] = [1, 2, 4]
@@ -163,7 +166,12 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
     C = schedule.chunk_size
     out: dict[str, float] = {}
     cc = schedule.consumer_cfg
-    live = 2 * C * C + 3 * C * cc.block_k + 2 * C * cc.block_v
+    live = 2 * C * C + 3 * C * cc.block_k
+    if schedule.consumer != "joint_tma":
+        # pointer loads pass their [C, BV] tiles through registers; descriptor (TMA) loads land in shared memory,
+        # which the MMA reads in place (session 12: joint_tma at 4 warps, ~160 by this count, ran DeltaNet
+        # (2, 2048, 16) 4 % faster than the 8-warp default on the H200)
+        live += 2 * C * cc.block_v
     out["consumer_cfg"] = live / (32 * cc.num_warps)
     for name in ("forward_scan", "reverse_scan"):
         cfg = getattr(schedule, name)
@@ -301,7 +309,11 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # largest saved tensor (fp32 put peak backward memory 15 % above FLA's) and the scans move them
             # twice; GDN (1,8192,4) 0.976 -> 0.827 ms on the H200 (RESULTS.md, stage sweep). fp32 inputs keep
             # fp32 states.
-            state_dtype="input", consumer="joint", pd_dtype="fp32", intra="auto",
+            state_dtype="input", pd_dtype="fp32", intra="auto",
+            # The joint consumer through tensor descriptors (TMA): GDN's benchmark geomean 1.053 -> 1.076x FLA
+            # under R and 1.034 -> 1.074x under A, DeltaNet 0.878 -> 0.883x / 0.829 -> 0.837x (RESULTS.md,
+            # session 12). TMA rows must be 16-byte multiples: other head dims keep the pointer kernel.
+            consumer="joint" if K % 8 or V % 8 else "joint_tma",
             # Sequence-split scans where B·H is small: the 16-wide scans' grid at B·H = 4 is 32 programs on 132
             # SMs; split 4 / 8 ways, GDN (1, 8192, 4) 0.603 -> 0.403 ms (FLA 0.580). At B·H = 32 the same split
             # cost 1.5x (0.469 -> 0.722 ms; RESULTS.md, session 7 sweep): two waves of the SMs keep it to B·H <= 8.

@@ -297,8 +297,8 @@ VECTOR_H200 = {
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
                      op: str | None = None, dtype: str | None = None) -> Schedule:
-    """Built-in schedule for KDA/GDN2: the scalar default (it passes this model), with the vector cumsum's
-    feature tile no wider than K; on compute capability 9.0 at K = V = 128 with 16-bit inputs (dtype None:
+    """Built-in schedule for KDA/GDN2: the scalar default (it passes this model) with the joint pointer
+    consumer, and the vector cumsum's feature tile no wider than K; on compute capability 9.0 at K = V = 128 with 16-bit inputs (dtype None:
     16-bit assumed) the campaign-measured one (`VECTOR_H200`). Its 3-stage, 128-wide scans need 246 784 B of
     shared memory with fp32 inputs (over the H200's 232 448 B: the H200 fp32 gate tests of session 4), so fp32
     inputs take the scalar-derived one."""
@@ -306,4 +306,5 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             and K == V == 128 and dtype in (None, "bf16", "fp16")):
         return Schedule(**VECTOR_H200)
     base = scalar.default_schedule(compute_capability, K=K, V=V)
-    return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))})
+    # the descriptor consumer is scalar-gate only: vector gates take the pointer kernel of the same tiles
+    return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))}, consumer="joint")

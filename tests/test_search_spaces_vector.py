@@ -265,6 +265,15 @@ def test_default_passes_its_own_constraint_and_round_trips(cc, KV, op):
     assert replay == d
 
 
+def test_the_scalar_h200_default_takes_the_descriptor_consumer_where_tma_can_address_the_rows():
+    assert scalar.default_schedule((9, 0)).consumer == "joint_tma"
+    assert scalar.default_schedule((9, 0), K=100, V=128).consumer == "joint"  # 200-byte rows: not 16-byte multiples
+    assert scalar.default_schedule((8, 0)).consumer == "joint"
+    for KV in (64, 100, 128, 256):
+        for op in ("kda", "gdn2"):
+            assert vector.default_schedule((9, 0), K=KV, V=KV, op=op).consumer != "joint_tma"
+
+
 def test_the_h200_vector_defaults():
     # KDA and GDN2 at K = V = 128 with 16-bit inputs: the campaign-measured schedule, dv_local from the forward's
     # A_qk; other head dims, fp32 inputs and other GPUs: the scalar-derived one
@@ -272,9 +281,12 @@ def test_the_h200_vector_defaults():
         assert vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert vector.default_schedule((9, 0), op=op, dtype="bf16") == Schedule(**vector.VECTOR_H200)
         assert vector.default_schedule((9, 0), op=op).dv_local_source == "forward"
-        assert vector.default_schedule((9, 0), op=op, dtype="fp32") == scalar.default_schedule((9, 0))
+        # the scalar-derived one, less the scalar-only descriptor consumer
+        pointer = {"consumer": "joint"}
+        assert vector.default_schedule((9, 0), op=op, dtype="fp32") == scalar.default_schedule((9, 0)).replace(**pointer)
         for KV in (64, 256):
-            assert vector.default_schedule((9, 0), K=KV, V=KV, op=op) == scalar.default_schedule((9, 0), K=KV, V=KV)
+            assert vector.default_schedule((9, 0), K=KV, V=KV, op=op) == \
+                scalar.default_schedule((9, 0), K=KV, V=KV).replace(**pointer)
     assert vector.default_schedule((8, 0), op="gdn2") == vector.default_schedule((8, 0), op="kda")
     assert vector.default_schedule(None, op="gdn2").dv_local_source == "recompute"
 
@@ -432,3 +444,26 @@ def test_joint_tma_is_a_scalar_gate_consumer():
     A = torch.zeros(1, 64, 1, 64)
     with pytest.raises(ValueError, match="joint_tma"):
         rewy_backward_triton(q, q, v, g, beta, beta, A, v, None, scale=1.0, initial_state=None, schedule=tma)
+
+
+def test_register_model_counts_descriptor_tiles_in_shared_memory():
+    # joint_tma's [C, BV] tiles arrive by TMA in shared memory: at 4 warps it is searchable (the H200 ran DeltaNet
+    # faster with it, session 12), where the pointer kernel's register-passed tiles still count as spilling
+    four = {"num_warps": 4}
+    tma = scalar.default_schedule((9, 0)).replace(consumer="joint_tma", consumer_cfg=four)
+    ptr = tma.replace(consumer="joint")
+    assert not [r for r in scalar.constraint(tma, H200) if r.startswith("consumer_cfg")]
+    assert any(r.startswith("consumer_cfg") and "spill" in r for r in scalar.constraint(ptr, H200))
+    assert scalar.register_estimate(tma, 128, 128)["consumer_cfg"] < scalar.register_estimate(ptr, 128, 128)["consumer_cfg"]
+
+
+def test_scan_stages_reach_four_only_for_the_scans():
+    sp = scalar.space(128, 128)
+    assert 4 in sp["forward_scan.num_stages"] and 4 in sp["reverse_scan.num_stages"]
+    assert 4 not in sp["consumer_cfg.num_stages"] and 4 not in sp["dv_local.num_stages"]
+    fla_like = scalar.default_schedule((9, 0)).replace(forward_scan={"block_v": 32, "num_stages": 4},
+                                                       reverse_scan={"block_v": 32, "num_stages": 3})
+    assert scalar.constraint(fla_like, H200) == []
+    # reverse BV 32 with 4 stages compiles to 235 020 B of shared memory for sm_90 (over the H200's 232 448 B)
+    too_deep = fla_like.replace(reverse_scan={"num_stages": 4})
+    assert any(r.startswith("reverse_scan: shared memory") for r in scalar.constraint(too_deep, H200))
