@@ -63,6 +63,7 @@ step_enumerate() {  # the exhaustive table for benchmarks/tpe_convergence.py
 }
 step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only: gVisor has none, H200.md)
   # NCU_FLA_KERNELS: also profile FLA's operator (one_backward.py --fla) at the same shape, into ncu-fla.txt.
+  # NCU_EXTRA: more ncu options, e.g. "--section InstructionStats --section SchedulerStats".
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "ncu: not found"; return; }
   local side kern file flag
@@ -71,7 +72,7 @@ step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only
     else kern=${NCU_FLA_KERNELS:-}; file=ncu-fla.txt; flag=--fla; [ -n "$kern" ] || continue; fi
     timeout "${NCU_S:-300}" "$ncu" --clock-control none --profile-from-start off --target-processes all -k "regex:$kern" -c "${NCU_COUNT:-4}" \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section MemoryWorkloadAnalysis --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
       python3 benchmarks/one_backward.py --op "${NCU_OP:-kda}" --policy "${NCU_POLICY:-R}" $flag \
       --shape "${NCU_SHAPE:-1,8192,16}" --reps 2 > "$RES/$file" 2>&1
     echo "ncu $side rc=$?"

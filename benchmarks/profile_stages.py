@@ -17,15 +17,16 @@ import json
 
 import torch
 
-from rewy_tune import fla_baseline, measure, warmup
-from rewy_tune.search_spaces import default_schedule
+from rewy_tune import autotune_parts, fla_baseline, measure, warmup
+from rewy_tune.search_spaces import constraint, default_schedule
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
 
 
-def kernel_times(op, policy, schedule, shape, K=128, V=128, reps=5):
+def kernel_times(op, policy, schedule, shape, K=128, V=128, reps=5, fn=None):
+    """Device time per kernel of one backward (ms, mean of `reps`): ours under `schedule`, or `fn` (FLA's op)."""
     inputs = measure.bench_inputs(op, shape, K, V, "cuda")
-    side = measure._Side(op, measure.rewy_op_fn(op, policy, schedule), inputs)
+    side = measure._Side(op, fn or measure.rewy_op_fn(op, policy, schedule), inputs)
     for _ in range(2):
         side.forward()
         side.backward()
@@ -82,8 +83,25 @@ def variants_for(op: str, base):
         out["cons64x128"] = base.replace(consumer_cfg={"block_v": 128})
         # Session 11: the joint consumer through tensor descriptors (consumer_tma.py). sm_90 code read on a CPU at
         # 64 x 64, 8 warps: 3 464 instructions against 7 288, stack 240 B against 976, SHFL 73 against 295.
-        out["tma"] = base.replace(consumer="joint_tma")
+        if base.consumer == "joint_tma":  # the H200 default since session 12: time the pointer kernel against it
+            out["pointer"] = base.replace(consumer="joint")
+        else:
+            out["tma"] = base.replace(consumer="joint_tma")
         out["tma-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_stages": 1})
+        # Session 12: 4 warps at 255 registers let two CTAs share an SM (stack 1 112 B at 2 stages on sm_90).
+        out["tma-w4"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4})
+        out["tma-w4-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4, "num_stages": 1})
+        out["tma-64x128"] = base.replace(consumer="joint_tma", consumer_cfg={"block_v": 128})
+    # Session 12 (call 3, GDN / DeltaNet (2, 2048, 16)): each scan's value tile and warps on their own, at 2 stages:
+    # BV 32 or 64 and 2, 4 or 8 warps were all as slow as or slower than the default's BV 16 (forward 64-114 µs, reverse
+    # 73-191 µs, against FLA's 36-40 and 46-73 µs). FLA's autotuner picked BV 32, 4 warps with 4 stages (forward) and
+    # 3 (reverse); compiled with a GPU launch's alignment hints the two forward kernels are alike at equal settings.
+    # What is left to time is the pipeline depth:
+    for name, fwd, bwd in (("fscan-s3", {"num_stages": 3}, None), ("fscan-s4", {"num_stages": 4}, None),
+                           ("fscan-bv32-s4", {"block_v": 32, "num_stages": 4}, None),
+                           ("bscan-s3", None, {"num_stages": 3}), ("bscan-bv32-s3", None, {"block_v": 32, "num_stages": 3}),
+                           ("scans-fla", {"block_v": 32, "num_stages": 4}, {"block_v": 32, "num_stages": 3})):
+        out[name] = base.replace(**{k: v for k, v in (("forward_scan", fwd), ("reverse_scan", bwd)) if v})
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 11 every H200 default uses
     # waves 2, so "waves2" appears only for other bases.
@@ -101,7 +119,8 @@ def main():
     p.add_argument("--jobs", type=int, default=None, help="compile-ahead processes (default: warmup's)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
     p.add_argument("--profile", default="default",
-                   help="comma-separated variants whose per-kernel device times are printed (default: default)")
+                   help="comma-separated variants whose per-kernel device times are printed (default: default); "
+                        "'fla' prints FLA's kernels")
     p.add_argument("--json", default=None, help="write {op: {variant: {shape: [ours_ms, fla_ms]}}}")
     p.add_argument("--variants", default=None,
                    help="comma-separated variant names to run (default: all); names an operator lacks are skipped")
@@ -114,6 +133,13 @@ def main():
     if args.variants:
         keep = {"default", *args.variants.split(",")}
         plan = {op: {n: s for n, s in variants.items() if n in keep} for op, variants in plan.items()}
+    dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": cc}
+    for op in ops:  # a variant over the shared-memory limit would only fail its compile (spill estimates still run)
+        for name, sched in list(plan[op].items()):
+            smem = [r for r in constraint(sched, dims, op=op) if "shared memory" in r]
+            if smem:
+                del plan[op][name]
+                print(f"   {op} {name}: not run, {smem[0]}")
     names = [(op, name) for op in ops for name in plan[op]]
     tasks = [warmup.WarmTask(op, args.policy, plan[op][name].to_dict(), shapes) for op, name in names]
     # A variant that fails in its warm-up process (each runs in its own) is not run here: an illegal memory
@@ -129,10 +155,17 @@ def main():
         for shape in shapes:
             print(f"== {op} {args.policy} {shape}")
             for pname in ([] if args.no_profile else args.profile.split(",")):
-                if pname not in plan[op] or (op, pname) in broken:
+                if pname == "fla":
+                    times = kernel_times(op, args.policy, None, shape, fn=fla)
+                    for tuner in autotune_parts.autotuners():  # FLA's own picks at this shape
+                        for key, cfg in tuner.cache.items():
+                            print(f"   FLA pick {tuner.base_fn.__name__[:44]} {key[:6]}: {cfg}")
+                elif pname not in plan[op] or (op, pname) in broken:
                     continue
-                print(f"   per kernel, {pname}:")
-                for name, ms in kernel_times(op, args.policy, plan[op][pname], shape).most_common(10):
+                else:
+                    times = kernel_times(op, args.policy, plan[op][pname], shape)
+                print(f"   per kernel, {pname}: total {sum(times.values()):.4f}")
+                for name, ms in times.most_common(12):
                     print(f"   {ms:8.4f}  {name}")
             for vname, sched in plan[op].items():
                 if (op, vname) in broken:
