@@ -169,8 +169,10 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
     live = 2 * C * C + 3 * C * cc.block_k
     if schedule.consumer != "joint_tma":
         # pointer loads pass their [C, BV] tiles through registers; descriptor (TMA) loads land in shared memory,
-        # which the MMA reads in place (session 12: joint_tma at 4 warps, ~160 by this count, ran DeltaNet
-        # (2, 2048, 16) 4 % faster than the 8-warp default on the H200)
+        # which the MMA reads in place. This is a pruning rule, not a compile limit: joint_tma at 4 warps (~160 by
+        # this count; sm_90 stack 472 B for DeltaNet, 744 B for GDN, with alignment hints) ran DeltaNet
+        # (2, 2048, 16) 4 % faster than the 8-warp default on the H200 and GDN 10 % slower (session 12), so the
+        # tuner must be able to try it.
         live += 2 * C * cc.block_v
     out["consumer_cfg"] = live / (32 * cc.num_warps)
     for name in ("forward_scan", "reverse_scan"):
