@@ -3,7 +3,8 @@
 # the steps named in STEPS, each under its own time limit. Everything comes back in $OUT/results.tgz plus
 # the short logs (the device returns at most 8 files).
 #   STEPS="tests bench" bash benchmarks/device_check.sh
-# Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression), bench (rewy-tune bench --op $BENCH_OPS --policy
+# Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression; REWY_TEST_GPU_SCHEDULE=FILE
+# gates a candidate DeltaNet/GDN default instead of the built-in one), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
 # results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA; SWEEP_ARGS
 # extra options, e.g. "--profile default,NAME"; a cold host needs SWEEP_S >= 300 to compile ahead), enumerate

@@ -385,9 +385,23 @@ BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048
 
 
 def _gpu_default():
+    """The schedule the GPU tests gate: the device's built-in default, or a candidate default named by
+    REWY_TEST_GPU_SCHEDULE (a Schedule JSON file), so a new default passes the GPU suite before it is adopted."""
+    path = os.environ.get("REWY_TEST_GPU_SCHEDULE")
+    if path:
+        with open(path) as f:
+            return Schedule.from_json(f.read())
     from rewy_tune.search_spaces import default_schedule
 
     return default_schedule(torch.cuda.get_device_capability())
+
+
+def test_gpu_tests_gate_a_candidate_schedule_file(tmp_path, monkeypatch):
+    candidate = BASE.replace(forward_scan={"num_stages": 4}, reverse_scan={"block_v": 16, "num_stages": 3})
+    path = tmp_path / "candidate.json"
+    path.write_text(candidate.to_json())
+    monkeypatch.setenv("REWY_TEST_GPU_SCHEDULE", str(path))
+    assert _gpu_default() == candidate
 
 
 def assert_bf16(out, ref, ctx):
