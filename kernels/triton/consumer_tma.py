@@ -2,11 +2,11 @@
 "joint_tma"``.
 
 Same mathematics, phases and outputs as ``local.rewy_bwd_kernel_consumer`` with ``JOINT`` (rewy-math §§5–6.2;
-read that kernel's docstring first). What differs is how tiles reach the tensor cores. On the H200 that kernel
-issues about 1.4× the instructions of the two FLA kernels it replaces at the same occupancy, and is bound by
-issuing them, not by memory or by its products (ncu, benchmarks/RESULTS.md session 11); its sm_90 code is mostly
-address arithmetic, register → shared-memory copies of loaded tiles and spills around 56 HGMMA. Here every input
-tile comes through a host-built tensor descriptor:
+read that kernel's docstring first). What differs is how tiles reach the tensor cores. It is the cc-9.0 default
+for DeltaNet/GDN since session 12: GDN's backward 3–4 % faster than with the pointer kernel at B·H ≥ 16, DeltaNet
+within 1 % (benchmarks/RESULTS.md). It was written when the pointer kernel seemed spill- and address-bound; that
+reading came from a compile without the GPU's alignment hints, and with them both kernels issue about 3 100
+sm_90 instructions. Here every input tile comes through a host-built tensor descriptor:
 
 - on sm_90 a descriptor load is one TMA copy into shared memory (no per-thread addresses, no boundary masks:
   rows past T read as zero), which the MMA reads in place; elsewhere (and under the interpreter) Triton lowers it
