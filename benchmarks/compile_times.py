@@ -199,7 +199,7 @@ def _cubin_tool(name: str, option: str, cubin: bytes) -> str:
 SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
 
 
-def _instruction_mix(cubin: bytes, top: int = 24) -> str:
+def _instruction_mix(cubin: bytes, top: int = int(os.environ.get("SASS_TOP", "24"))) -> str:
     """Static SASS opcode counts (nvdisasm): spills (LDL/STL), barriers (BAR: layout conversions and reductions
     through shared memory), tensor-core ops (HGMMA), global loads (LDG: synchronous; LDGSTS: cp.async)."""
     import collections

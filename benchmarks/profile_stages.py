@@ -88,7 +88,9 @@ def variants_for(op: str, base):
         else:
             out["tma"] = base.replace(consumer="joint_tma")
         out["tma-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_stages": 1})
-        # Session 12: 4 warps at 255 registers let two CTAs share an SM (stack 1 112 B at 2 stages on sm_90).
+        # Session 12: 4 warps at 255 registers let two CTAs share an SM. Timed in call 2 with the 8-warp phase-2
+        # order (DeltaNet 0.3595 against 0.3739 ms, GDN 0.4681 against 0.4269); since then 4 warps split phase 2
+        # (sm_90 stack GDN 744 -> 232 B, DeltaNet 472 -> 120 B).
         out["tma-w4"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4})
         out["tma-w4-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4, "num_stages": 1})
         out["tma-64x128"] = base.replace(consumer="joint_tma", consumer_cfg={"block_v": 128})

@@ -16,6 +16,12 @@ sm_90 instructions. Here every input tile comes through a host-built tensor desc
   goes through the fp32 scratch ``dk_col`` as in ``local.py``;
 - dq, dk, dv are stored through descriptors too (TMA stores clip rows past T).
 
+At 4 warps (one warpgroup, two CTAs per SM at 255 registers) phase 2 runs in another order: Q̄_g gets its own V
+pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed, so two [C, BK] fp32 accumulators
+are live instead of three. sm_90 stack at 64 × 64 (alignment hints): GDN 744 → 232 B, DeltaNet 472 → 120 B; the
+8-warp code is unchanged. Not yet timed (session 12: the old 4-warp order ran DeltaNet 4 % faster than the 8-warp
+default at (2, 2048, 16), GDN 10 % slower).
+
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
 and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.
@@ -39,6 +45,30 @@ def _tile(desc, i_b, t0, i_h, col, BT: tl.constexpr, BD: tl.constexpr):
     return desc.load([i_b, t0, i_h, col]).reshape(BT, BD)
 
 
+@triton.jit
+def _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
+                 BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, USE_G: tl.constexpr):
+    """A_Q = Γ_q K, the dq rows, their store; returns Ḡ's accumulator with the query side added."""
+    b_aq = _mma(b_gq, b_k.to(DT), PREC)
+    b_dq, b_gb = _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G)
+    dq_d.store([i_b, t0, i_h, i_k * BK], b_dq.to(dq_d.dtype).reshape(1, BT, 1, BK))
+    return b_gb
+
+
+@triton.jit
+def _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K: tl.constexpr, t0, i_k, BT: tl.constexpr,
+                 BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, USE_G: tl.constexpr):
+    """dk's column side B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r, stored transposed into the fp32 scratch (read back as rows
+    after a CTA barrier, never through tl.trans of an MMA result); returns Ḡ's column-side accumulator."""
+    b_bt = _mma(tl.trans(b_q).to(DT), b_gq, PREC)
+    b_bt += _mma(tl.trans(b_kf * b_e[:, None]).to(DT), b_gr, PREC)
+    p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
+    tl.store(p_ct, b_bt, boundary_check=(0, 1))
+    if USE_G:
+        b_gb_col += tl.sum(tl.trans(b_kf) * b_bt, axis=0)
+    return b_gb_col
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
@@ -46,7 +76,7 @@ def rewy_bwd_kernel_consumer_tma(
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr,
+    USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -94,38 +124,47 @@ def rewy_bwd_kernel_consumer_tma(
     b_frob = tl.zeros([BK], dtype=tl.float32)  # ⟨S0, dS1⟩_F, partial per key row
     b_tail = tl.zeros([BT], dtype=tl.float32)
 
-    # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue
+    # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue. SPLIT_DQ (4 warps: one
+    # warpgroup holds every accumulator, and three [C, BK] fp32 ones next to the epilogue spill): Q̄_g gets its own V
+    # pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed (S0 and Q, K loaded twice).
     for i_k in range(0, (K + BK - 1) // BK):
-        b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
+        if SPLIT_DQ:
+            b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
+            b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
+            for i_v in range(0, (V + BV - 1) // BV):
+                b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
+                b_qg += _mma(_tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), tl.trans(b_s0).to(DT), PREC)
+            b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_q.to(tl.float32), b_k.to(tl.float32), b_hd, b_gamma, b_gb,
+                                scale, i_b, t0, i_h, i_k, BT, BK, DT, PREC, USE_G)
+            b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k,
+                                    BT, BK, DT, PREC, USE_G)
+        b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
         for i_v in range(0, (V + BV - 1) // BV):
             b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
-            b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
+            if not SPLIT_DQ:
+                b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
             b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
             b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)  # rows past K read as zero
             b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
             if USE_G:
                 b_frob += tl.sum(b_s0.to(tl.float32) * b_ds1.to(tl.float32), axis=1)
             b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
-            b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
+            if not SPLIT_DQ:
+                b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
             b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
 
+        # loaded after the V loop: shorter live ranges (the split path loads them again for dk's rows)
         b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
         b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
         b_qf = b_q.to(tl.float32)
         b_kf = b_k.to(tl.float32)
-        # column side B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r, turned into rows through the fp32 scratch
-        b_bt = _mma(tl.trans(b_q).to(DT), b_gq, PREC)
-        b_bt += _mma(tl.trans(b_kf * b_e[:, None]).to(DT), b_gr, PREC)
-        p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
-        tl.store(p_ct, b_bt, boundary_check=(0, 1))
-        if USE_G:
-            b_gb_col += tl.sum(tl.trans(b_kf) * b_bt, axis=0)
-
-        b_aq = _mma(b_gq, b_k.to(DT), PREC)
-        b_dq, b_gb = _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G)
-        dq_d.store([i_b, t0, i_h, i_k * BK], b_dq.to(dq_d.dtype).reshape(1, BT, 1, BK))
+        if not SPLIT_DQ:
+            b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT, PREC,
+                                    USE_G)
+            b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
+                                BT, BK, DT, PREC, USE_G)
 
         b_ak = _mma(b_gr, b_k.to(DT), PREC)
         b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
@@ -184,6 +223,6 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         G, erase, write, dk_col, gbar, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        num_warps=num_warps, num_stages=num_stages,
+        SPLIT_DQ=num_warps <= 4, num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv, gbar, derase, dwrite
