@@ -89,11 +89,15 @@ def variants_for(op: str, base):
             out["tma"] = base.replace(consumer="joint_tma")
         out["tma-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_stages": 1})
         # Session 12: 4 warps at 255 registers let two CTAs share an SM. Timed in call 2 with the 8-warp phase-2
-        # order (DeltaNet 0.3595 against 0.3739 ms, GDN 0.4681 against 0.4269); since then 4 warps split phase 2
-        # (sm_90 stack GDN 744 -> 232 B, DeltaNet 472 -> 120 B).
+        # order (DeltaNet 0.3595 against 0.3739 ms, GDN 0.4681 against 0.4269). consumer_order "dq_first" (new) keeps
+        # two [C, BK] accumulators live, not three: sm_90 stack at 4 warps GDN 744 -> 232 B, DeltaNet 472 -> 120 B;
+        # at 8 warps GDN 112 -> 0 B.
         out["tma-w4"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4})
         out["tma-w4-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4, "num_stages": 1})
         out["tma-64x128"] = base.replace(consumer="joint_tma", consumer_cfg={"block_v": 128})
+        out["tma-dq-first"] = base.replace(consumer="joint_tma", consumer_order="dq_first")
+        out["tma-w4-dq-first"] = base.replace(consumer="joint_tma", consumer_order="dq_first",
+                                              consumer_cfg={"num_warps": 4})
     # Session 12 (call 3, GDN / DeltaNet (2, 2048, 16)): each scan's value tile and warps on their own, at 2 stages:
     # BV 32 or 64 and 2, 4 or 8 warps were all as slow as or slower than the default's BV 16 (forward 64-114 µs, reverse
     # 73-191 µs, against FLA's 36-40 and 46-73 µs). FLA's autotuner picked BV 32, 4 warps with 4 stages (forward) and
@@ -101,7 +105,8 @@ def variants_for(op: str, base):
     # What is left to time is the pipeline depth:
     for name, fwd, bwd in (("fscan-s3", {"num_stages": 3}, None), ("fscan-s4", {"num_stages": 4}, None),
                            ("fscan-bv32-s4", {"block_v": 32, "num_stages": 4}, None),
-                           ("bscan-s3", None, {"num_stages": 3}), ("bscan-bv32-s3", None, {"block_v": 32, "num_stages": 3}),
+                           ("bscan-s3", None, {"num_stages": 3}),
+                           ("bscan-bv32-s3", None, {"block_v": 32, "num_stages": 3}),
                            ("scans-fla", {"block_v": 32, "num_stages": 4}, {"block_v": 32, "num_stages": 3})):
         out[name] = base.replace(**{k: v for k, v in (("forward_scan", fwd), ("reverse_scan", bwd)) if v})
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,

@@ -23,7 +23,9 @@ scans) keeps a split only where the scan's grid is small enough to leave the GPU
 ``intra``, ``intra_precision`` and ``dv_local_source`` are read only by vector-gate operators (KDA/GDN2); scalar
 gates form Λ exactly and accept any value. ``dv_local_source``: "recompute" rebuilds A_qk in dv_local from q, k, G;
 "forward" has the autograd Function save the forward's A_qk ([B,T,H,C] in the input dtype, FLA's ``Aqk``, which
-FLA's own backward keeps too) and dv_local multiplies it with dO.
+FLA's own backward keeps too) and dv_local multiplies it with dO. ``consumer_order`` is read only by the joint_tma
+consumer: "fused" forms Q̄_g, Ē_dir and K̄_t in one V pass, then dq and dk; "dq_first" gives Q̄_g its own V pass
+and finishes dq and dk's column side before forming Ē_dir and K̄_t (fewer live registers, S0 and Q, K read twice).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONSUMER_MODES = ("joint", "separate", "joint_tma")
+CONSUMER_ORDERS = ("fused", "dq_first")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -109,6 +112,8 @@ class Schedule:
     reverse_scan_segments: int = 1  # sequence split of the reverse scan (the same rule; see scan.py)
     scan_split_waves: int = 0  # split only while a scan's grid fits in this many waves of one program per SM; 0: always
     dv_local_source: str = "recompute"  # vector gates: A_qk of dv_local recomputed, or the forward's saved Aqk
+    consumer_order: str = "fused"  # joint_tma's phase 2: one V pass for its three products, or dq (and dk's
+    # column side) first, then Ē_dir and K̄_t: two [C, BK] accumulators live instead of three
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -128,7 +133,7 @@ class Schedule:
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
                               ("intra_precision", INTRA_PRECISIONS),
-                              ("dv_local_source", DV_LOCAL_SOURCES)):
+                              ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

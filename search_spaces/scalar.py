@@ -36,6 +36,7 @@ SEGMENTS = [1, 2, 4, 8]
 
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
+    "consumer_order": ("consumer", "joint_tma"),
     "pd_dtype": ("consumer", "separate"),
     "producer.block_v": ("consumer", "separate"),
     "producer.num_warps": ("consumer", "separate"),
@@ -60,6 +61,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {
         "chunk_size": [64],  # FLA's forward saves A at chunk 64
         "consumer": ["joint", "separate", "joint_tma"],
+        "consumer_order": ["fused", "dq_first"],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
         "intra": ["auto"],
@@ -166,7 +168,9 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
     C = schedule.chunk_size
     out: dict[str, float] = {}
     cc = schedule.consumer_cfg
-    live = 2 * C * C + 3 * C * cc.block_k
+    # "dq_first" (joint_tma only) keeps two of the three [C, BK] accumulators live at once
+    live = 2 * C * C + (2 if schedule.consumer == "joint_tma" and schedule.consumer_order == "dq_first" else 3) * \
+        C * cc.block_k
     if schedule.consumer != "joint_tma":
         # pointer loads pass their [C, BV] tiles through registers; descriptor (TMA) loads land in shared memory,
         # which the MMA reads in place. This is a pruning rule, not a compile limit: joint_tma at 4 warps (~160 by

@@ -213,7 +213,10 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
     for K, V in ((64, 64), (128, 128), (256, 256), (128, 64)):
         sp = vector.space(K, V)
         base = vector.default_schedule((9, 0), K=K, V=V)
-        assert set(scalar.space(K, V)) <= set(sp)
+        # the vector space is the scalar one without joint_tma's phase-2 order (vector gates never run joint_tma)
+        assert set(scalar.space(K, V)) - {"consumer_order"} <= set(sp) and "consumer_order" not in sp
+        assert "consumer_order" not in vector.CONDITIONS and scalar.CONDITIONS["consumer_order"] == ("consumer",
+                                                                                                   "joint_tma")
         assert sp["intra"] == ["auto", "subchunk"] and set(sp["intra"]) <= set(INTRA_MODES)
         assert "centred" not in sp["intra"]  # unguarded: overflows on strong decays
         assert sp["intra_precision"] == ["ieee", "tf32x3"] and set(sp["intra_precision"]) <= set(INTRA_PRECISIONS)
@@ -283,7 +286,8 @@ def test_the_h200_vector_defaults():
         assert vector.default_schedule((9, 0), op=op).dv_local_source == "forward"
         # the scalar-derived one, less the scalar-only descriptor consumer
         pointer = {"consumer": "joint"}
-        assert vector.default_schedule((9, 0), op=op, dtype="fp32") == scalar.default_schedule((9, 0)).replace(**pointer)
+        fp32 = vector.default_schedule((9, 0), op=op, dtype="fp32")
+        assert fp32 == scalar.default_schedule((9, 0)).replace(**pointer)
         for KV in (64, 256):
             assert vector.default_schedule((9, 0), K=KV, V=KV, op=op) == \
                 scalar.default_schedule((9, 0), K=KV, V=KV).replace(**pointer)
@@ -454,7 +458,11 @@ def test_register_model_counts_descriptor_tiles_in_shared_memory():
     ptr = tma.replace(consumer="joint")
     assert not [r for r in scalar.constraint(tma, H200) if r.startswith("consumer_cfg")]
     assert any(r.startswith("consumer_cfg") and "spill" in r for r in scalar.constraint(ptr, H200))
-    assert scalar.register_estimate(tma, 128, 128)["consumer_cfg"] < scalar.register_estimate(ptr, 128, 128)["consumer_cfg"]
+    regs = {s.consumer: scalar.register_estimate(s, 128, 128)["consumer_cfg"] for s in (tma, ptr)}
+    assert regs["joint_tma"] < regs["joint"]
+    # "dq_first" keeps two of the three [C, BK] accumulators live
+    dq_first = tma.replace(consumer_order="dq_first")
+    assert scalar.register_estimate(dq_first, 128, 128)["consumer_cfg"] < regs["joint_tma"]
 
 
 def test_scan_stages_reach_four_only_for_the_scans():

@@ -16,11 +16,13 @@ sm_90 instructions. Here every input tile comes through a host-built tensor desc
   goes through the fp32 scratch ``dk_col`` as in ``local.py``;
 - dq, dk, dv are stored through descriptors too (TMA stores clip rows past T).
 
-At 4 warps (one warpgroup, two CTAs per SM at 255 registers) phase 2 runs in another order: Q̄_g gets its own V
+``Schedule.consumer_order == "dq_first"`` (``dq_first=True``) runs phase 2 in another order: Q̄_g gets its own V
 pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed, so two [C, BK] fp32 accumulators
-are live instead of three. sm_90 stack at 64 × 64 (alignment hints): GDN 744 → 232 B, DeltaNet 472 → 120 B; the
-8-warp code is unchanged. Not yet timed (session 12: the old 4-warp order ran DeltaNet 4 % faster than the 8-warp
-default at (2, 2048, 16), GDN 10 % slower).
+are live instead of three. sm_90 at 64 × 64 (alignment hints): at 8 warps GDN's stack 112 → 0 B (255 → 240
+registers), DeltaNet 250 → 214 registers; at 4 warps (two CTAs per SM) GDN 744 → 232 B, DeltaNet 472 → 120 B.
+"fused" compiles to the code timed before. Not yet timed on a GPU (session 12: the fused order at 4 warps ran
+DeltaNet 4 % faster than the 8-warp default at (2, 2048, 16), GDN 10 % slower; ncu counted 680 K spill requests in
+GDN's 8-warp consumer).
 
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
@@ -124,9 +126,9 @@ def rewy_bwd_kernel_consumer_tma(
     b_frob = tl.zeros([BK], dtype=tl.float32)  # ⟨S0, dS1⟩_F, partial per key row
     b_tail = tl.zeros([BT], dtype=tl.float32)
 
-    # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue. SPLIT_DQ (4 warps: one
-    # warpgroup holds every accumulator, and three [C, BK] fp32 ones next to the epilogue spill): Q̄_g gets its own V
-    # pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed (S0 and Q, K loaded twice).
+    # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue. SPLIT_DQ ("dq_first"): Q̄_g
+    # gets its own V pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed (three [C, BK]
+    # fp32 accumulators next to the epilogue spill; S0 and Q, K are loaded twice instead).
     for i_k in range(0, (K + BK - 1) // BK):
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         if SPLIT_DQ:
@@ -195,8 +197,9 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 one_beta: bool = False):
-    """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns)."""
+                 one_beta: bool = False, dq_first: bool = False):
+    """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
+    phase 2 in the "dq_first" order (module docstring)."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -223,6 +226,6 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         G, erase, write, dk_col, gbar, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        SPLIT_DQ=num_warps <= 4, num_warps=num_warps, num_stages=num_stages,
+        SPLIT_DQ=bool(dq_first), num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv, gbar, derase, dwrite

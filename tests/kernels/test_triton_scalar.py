@@ -35,6 +35,7 @@ OTHERS = {
     "separate-input-bv64": BASE.replace(consumer="separate", pd_dtype="input", producer={"block_v": 64},
                                         consumer_cfg={"block_k": 64, "block_v": 64}, dv_local={"block_k": 16, "block_v": 64}),
     "tma-bk16-bv32": BASE.replace(consumer="joint_tma", consumer_cfg={"block_k": 16, "block_v": 32}),
+    "tma-dq-first": BASE.replace(consumer="joint_tma", consumer_order="dq_first", consumer_cfg={"block_k": 16}),
 }
 
 
@@ -183,22 +184,22 @@ def _consumer_args(gate, dtype, B=1, T=100, H=2, K=32, V=64, C=64):
     return q, k, v, G, e, w, A, R, Rbar, S0, dS1, do
 
 
-@pytest.mark.parametrize("num_warps", [4, 8])
+@pytest.mark.parametrize("dq_first", [False, True])
 @pytest.mark.parametrize("one_beta", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", [True, False])
-def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, num_warps):
-    # The descriptor kernel computes the pointer kernel's products (at 4 warps it finishes dq and dk's column side
-    # before forming Ē_dir and K̄_t, at 8 in the pointer kernel's order): on the interpreter the two agree to fp32
-    # rounding (numpy may pick another summation order for a transposed operand view; measured ≤ 3e-8), tail chunk
-    # (T = 100), several K and V tiles and K ≠ V included.
+def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first):
+    # The descriptor kernel computes the pointer kernel's products (in its order, or "dq_first": dq and dk's column
+    # side before Ē_dir and K̄_t): on the interpreter the two agree to fp32 rounding (numpy may pick another
+    # summation order for a transposed operand view; measured ≤ 3e-8), tail chunk (T = 100), several K and V
+    # tiles and K ≠ V included.
     from rewy_tune.kernels.triton.consumer_tma import consumer_tma
     from rewy_tune.kernels.triton.local import consumer
 
     args = _consumer_args(gate, dtype)
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32, one_beta=one_beta)
     ours = consumer(*args, **kw)
-    tma = consumer_tma(*args, **kw, num_warps=num_warps)
+    tma = consumer_tma(*args, **kw, dq_first=dq_first)
     for name, a, b in zip(("dq", "dk", "dv", "gbar", "d_erase", "d_write"), ours, tma):
         assert (a is None) == (b is None), name
         if a is not None:
@@ -238,20 +239,19 @@ def test_no_initial_state_no_dht(op):
     assert_gates(out, oracle(x), ctx=f"{op} no h0/dht")
 
 
-@pytest.mark.parametrize("name", ["separate-fp32-bk16", "tma-bk16-bv32"])
+@pytest.mark.parametrize("name", ["separate-fp32-bk16", "tma-bk16-bv32", "tma-dq-first"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_beta_zero(op, name):
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=5, beta_zero=True)
     assert_gates(run_triton(x, OTHERS[name]), oracle(x), ctx=f"{op} beta zero {name}")
 
 
-@pytest.mark.parametrize("consumer, warps", [("joint", 4), ("joint_tma", 4), ("joint_tma", 8)])
-def test_strong_decay_gdn(consumer, warps):
+@pytest.mark.parametrize("consumer, order", [("joint", "fused"), ("joint_tma", "fused"), ("joint_tma", "dq_first")])
+def test_strong_decay_gdn(consumer, order):
     # g ≈ logsigmoid(N)·4: chunk gate ranges far past exp's fp32 range if Λ were split into exp(G_i)·exp(−G_j).
-    # joint_tma at 4 and 8 warps: its two phase-2 orders.
     x = make_inputs("gdn", 1, 128, 1, 32, 32, seed=11, gate_div=0.25)
-    s = BASE.replace(consumer=consumer, consumer_cfg={"num_warps": warps})
-    assert_gates(run_triton(x, s), oracle(x), ctx=f"gdn strong decay {consumer} {warps} warps")
+    s = BASE.replace(consumer=consumer, consumer_order=order)
+    assert_gates(run_triton(x, s), oracle(x), ctx=f"gdn strong decay {consumer} {order}")
 
 
 def test_single_partial_chunk():
@@ -278,6 +278,7 @@ FIELD_CHANGES = {
     "forward_scan_segments": 2,
     "reverse_scan_segments": 3,
     "scan_split_waves": 1,  # a limit on the split: its effect is asserted in test_split_waves_limit_the_split
+    "consumer_order": "dq_first",  # read by joint_tma: paired with it below
 }
 
 
@@ -288,6 +289,7 @@ def test_field_changes_cover_schedule():
 @pytest.mark.parametrize("field", list(FIELD_CHANGES))
 def test_each_field_one_at_a_time(field):
     base = BASE.replace(consumer="separate") if field in ("producer", "pd_dtype") else BASE
+    base = base.replace(consumer="joint_tma") if field == "consumer_order" else base
     changed = base.replace(**{field: FIELD_CHANGES[field]})
     assert changed != base
     x = make_inputs("gdn", 1, 100, 1, 32, 32, seed=13)
@@ -434,12 +436,13 @@ def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
 @BF16_ON_INTERPRETER
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", [(2, 2048, 16), (1, 1000, 4)])
-def test_gpu_tma_four_warps_bf16(op, B, T, H):
-    # joint_tma at 4 warps takes its own phase-2 order (dq and the column side before Ē_dir, K̄_t)
+def test_gpu_tma_dq_first_bf16(op, B, T, H):
+    # joint_tma's "dq_first" phase-2 order at 8 and 4 warps (4: two CTAs per SM)
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
-    s = _gpu_default().replace(consumer="joint_tma", consumer_cfg={"num_warps": 4})
-    assert_bf16(run_triton(x, s), ref, f"gpu {op} {B},{T},{H} joint_tma 4 warps")
+    for warps in (8, 4):
+        s = _gpu_default().replace(consumer="joint_tma", consumer_order="dq_first", consumer_cfg={"num_warps": warps})
+        assert_bf16(run_triton(x, s), ref, f"gpu {op} {B},{T},{H} joint_tma dq_first {warps} warps")
 
 
 @pytest.mark.gpu
@@ -636,10 +639,10 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     sig.update({"G": "*fp32", "erase": p, "write": p, "dk_col": "*fp32", "gbar": "*fp32", "derase": p, "dwrite": p})
     sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
     sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ")})
-    for use_g, nw in ((True, 8), (False, 8), (True, 4)):
+    for use_g, split, nw in ((True, False, 8), (False, False, 8), (True, True, 8), (True, True, 4)):
         compile_(consumer_tma.rewy_bwd_kernel_consumer_tma, sig,
                  {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "PREC": "tf32",
-                  "ONE_BETA": use_g, "SPLIT_DQ": nw <= 4}, nw)
+                  "ONE_BETA": use_g, "SPLIT_DQ": split}, nw)
 print("compiled")
 """
 
