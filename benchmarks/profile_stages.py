@@ -98,6 +98,10 @@ def variants_for(op: str, base):
         out["tma-dq-first"] = base.replace(consumer="joint_tma", consumer_order="dq_first")
         out["tma-w4-dq-first"] = base.replace(consumer="joint_tma", consumer_order="dq_first",
                                               consumer_cfg={"num_warps": 4})
+        # 4 warps with 32-wide K tiles: sm_90 (hints) DeltaNet 248 registers and no stack, GDN 96 B; 53-61 KB of
+        # shared memory, so two CTAs per SM
+        out["tma-w4-dq-first-32x64"] = base.replace(consumer="joint_tma", consumer_order="dq_first",
+                                                    consumer_cfg={"num_warps": 4, "block_k": 32})
     # Session 12 (call 3, GDN / DeltaNet (2, 2048, 16)): each scan's value tile and warps on their own, at 2 stages:
     # BV 32 or 64 and 2, 4 or 8 warps were all as slow as or slower than the default's BV 16 (forward 64-114 µs, reverse
     # 73-191 µs, against FLA's 36-40 and 46-73 µs). FLA's autotuner picked BV 32, 4 warps with 4 stages (forward) and
