@@ -378,6 +378,11 @@ def test_schedule_json_roundtrip_and_validation():
     assert Schedule.from_json(s.to_json()) == s and hash(Schedule.from_json(s.to_json())) == hash(s)
     with pytest.raises(ValueError, match="consumer"):
         BASE.replace(consumer="fused")
+    with pytest.raises(ValueError, match=r"consumer_order must be one of \('fused', 'dq_first'\)"):
+        BASE.replace(consumer_order="joint")
+    # a schedule stored before consumer_order existed reads as the fused order
+    old = {k: v for k, v in BASE.to_dict().items() if k != "consumer_order"}
+    assert Schedule.from_dict(old).consumer_order == "fused"
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):
