@@ -102,6 +102,13 @@ def variants_for(op: str, base):
         # shared memory, so two CTAs per SM
         out["tma-w4-dq-first-32x64"] = base.replace(consumer="joint_tma", consumer_order="dq_first",
                                                     consumer_cfg={"num_warps": 4, "block_k": 32})
+        # column_side "gamma_t" (no fp32 dk_col round trip): sm_90 (hints) without any stack in every variant here;
+        # GDN / DeltaNet registers at 8 warps 254 / 214, with dq_first 224 / 167, at 4 warps with dq_first 255 / 248
+        for name, order, cfg in (("tma-gamma-t", "fused", {}), ("tma-gamma-t-dq-first", "dq_first", {}),
+                                 ("tma-w4-gamma-t-dq-first", "dq_first", {"num_warps": 4}),
+                                 ("tma-w4-gamma-t-dq-first-32x64", "dq_first", {"num_warps": 4, "block_k": 32})):
+            out[name] = base.replace(consumer="joint_tma", column_side="gamma_t", consumer_order=order,
+                                     consumer_cfg=cfg)
     # Session 12 (call 3, GDN / DeltaNet (2, 2048, 16)): each scan's value tile and warps on their own, at 2 stages:
     # BV 32 or 64 and 2, 4 or 8 warps were all as slow as or slower than the default's BV 16 (forward 64-114 µs, reverse
     # 73-191 µs, against FLA's 36-40 and 46-73 µs). FLA's autotuner picked BV 32, 4 warps with 4 stages (forward) and

@@ -26,6 +26,9 @@ gates form Λ exactly and accept any value. ``dv_local_source``: "recompute" reb
 FLA's own backward keeps too) and dv_local multiplies it with dO. ``consumer_order`` is read only by the joint_tma
 consumer: "fused" forms Q̄_g, Ē_dir and K̄_t in one V pass, then dq and dk; "dq_first" gives Q̄_g its own V pass
 and finishes dq and dk's column side before forming Ē_dir and K̄_t (fewer live registers, S0 and Q, K read twice).
+``column_side`` is read only by joint_tma too: "scratch" forms dk's column side Qᵀ Γ_q + (eK)ᵀ Γ_r as columns per K
+tile and turns it into rows through an fp32 scratch and a CTA barrier; "gamma_t" stores Γ_q, Γ_r once per chunk,
+reads them back transposed and forms the rows Γ_qᵀ Q + Γ_rᵀ (eK) directly.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 CONSUMER_MODES = ("joint", "separate", "joint_tma")
 CONSUMER_ORDERS = ("fused", "dq_first")
+COLUMN_SIDES = ("scratch", "gamma_t")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -114,6 +118,7 @@ class Schedule:
     dv_local_source: str = "recompute"  # vector gates: A_qk of dv_local recomputed, or the forward's saved Aqk
     consumer_order: str = "fused"  # joint_tma's phase 2: one V pass for its three products, or dq (and dk's
     # column side) first, then Ē_dir and K̄_t: two [C, BK] accumulators live instead of three
+    column_side: str = "scratch"  # joint_tma's dk column side: fp32 scratch per K tile, or rows from Γᵀ ("gamma_t")
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -133,7 +138,8 @@ class Schedule:
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
                               ("intra_precision", INTRA_PRECISIONS),
-                              ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS)):
+                              ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
+                              ("column_side", COLUMN_SIDES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

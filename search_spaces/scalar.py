@@ -37,6 +37,7 @@ SEGMENTS = [1, 2, 4, 8]
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     "consumer_order": ("consumer", "joint_tma"),
+    "column_side": ("consumer", "joint_tma"),
     "pd_dtype": ("consumer", "separate"),
     "producer.block_v": ("consumer", "separate"),
     "producer.num_warps": ("consumer", "separate"),
@@ -62,6 +63,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "chunk_size": [64],  # FLA's forward saves A at chunk 64
         "consumer": ["joint", "separate", "joint_tma"],
         "consumer_order": ["fused", "dq_first"],
+        "column_side": ["scratch", "gamma_t"],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
         "intra": ["auto"],

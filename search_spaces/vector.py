@@ -77,7 +77,8 @@ __all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PREC
 
 # dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
 # not sample it (each such trial would otherwise have duplicates that differ in an unread field).
-CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.items() if n != "consumer_order"},
+CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.items()
+                                             if n not in ("consumer_order", "column_side")},
                                           "dv_local.block_k": ("dv_local_source", "recompute")}
 
 
@@ -87,7 +88,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
     # dv_local_source first: the tuner samples in this order and dv_local.block_k is conditional on it
     out = {"dv_local_source": list(DV_LOCAL_SOURCE_CHOICES), **scalar.space(K, V)}
     out["consumer"] = ["joint", "separate"]  # "joint_tma" is a scalar-gate consumer
-    del out["consumer_order"]  # read by joint_tma only
+    del out["consumer_order"], out["column_side"]  # read by joint_tma only
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)

@@ -214,9 +214,10 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         sp = vector.space(K, V)
         base = vector.default_schedule((9, 0), K=K, V=V)
         # the vector space is the scalar one without joint_tma's phase-2 order (vector gates never run joint_tma)
-        assert set(scalar.space(K, V)) - {"consumer_order"} <= set(sp) and "consumer_order" not in sp
-        assert "consumer_order" not in vector.CONDITIONS and scalar.CONDITIONS["consumer_order"] == ("consumer",
-                                                                                                   "joint_tma")
+        tma_only = {"consumer_order", "column_side"}
+        assert set(scalar.space(K, V)) - tma_only <= set(sp) and not tma_only & set(sp)
+        assert not tma_only & set(vector.CONDITIONS)
+        assert all(scalar.CONDITIONS[n] == ("consumer", "joint_tma") for n in tma_only)
         assert sp["intra"] == ["auto", "subchunk"] and set(sp["intra"]) <= set(INTRA_MODES)
         assert "centred" not in sp["intra"]  # unguarded: overflows on strong decays
         assert sp["intra_precision"] == ["ieee", "tf32x3"] and set(sp["intra_precision"]) <= set(INTRA_PRECISIONS)

@@ -20,9 +20,13 @@ sm_90 instructions. Here every input tile comes through a host-built tensor desc
 pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed, so two [C, BK] fp32 accumulators
 are live instead of three. sm_90 at 64 × 64 (alignment hints): at 8 warps GDN's stack 112 → 0 B (255 → 240
 registers), DeltaNet 250 → 214 registers; at 4 warps (two CTAs per SM) GDN 744 → 232 B, DeltaNet 472 → 120 B.
-"fused" compiles to the code timed before. Not yet timed on a GPU (session 12: the fused order at 4 warps ran
-DeltaNet 4 % faster than the 8-warp default at (2, 2048, 16), GDN 10 % slower; ncu counted 680 K spill requests in
-GDN's 8-warp consumer).
+``Schedule.column_side == "gamma_t"`` (``gamma_t=True``) stores Γ_q and Γ_r once per chunk into a scratch in the
+operand dtype, reads them back transposed after a CTA barrier, and forms dk's column side as rows, Γ_qᵀ Q + Γ_rᵀ
+(eK): no fp32 dk_col round trip and no barrier per K tile. sm_90 (hints) spills nothing in either order at 8 or 4
+warps (GDN 8 warps: 254 registers, 2 856 instructions against 255, 112 B of stack and 3 176).
+"fused" with "scratch" compiles to the code timed before. Neither option is timed on a GPU yet (session 12: the
+fused order at 4 warps ran DeltaNet 4 % faster than the 8-warp default at (2, 2048, 16), GDN 10 % slower; ncu
+counted 680 K spill requests in GDN's 8-warp consumer).
 
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
@@ -71,14 +75,26 @@ def _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K: tl.const
     return b_gb_col
 
 
+@triton.jit
+def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC: tl.constexpr,
+                 USE_G: tl.constexpr):
+    """dk's column side as rows, Γ_qᵀ Q + Γ_rᵀ (eK), from Γ_qᵀ and Γ_rᵀ loaded transposed (column_side "gamma_t");
+    returns it and Ḡ's column-side accumulator."""
+    b_brow = _mma(b_gqt, b_q.to(DT), PREC)
+    b_brow += _mma(b_grt, (b_kf * b_e[:, None]).to(DT), PREC)
+    if USE_G:
+        b_gb_col += tl.sum(b_kf * b_brow, axis=1)
+    return b_brow, b_gb_col
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gbar, derase, dwrite,
+    G, erase, write, dk_col, gam, gbar, derase, dwrite,
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr,
+    USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -91,7 +107,8 @@ def rewy_bwd_kernel_consumer_tma(
     is_last = o_i == n_last
     i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
     bos = (i_b * T * H + i_h).to(tl.int64)
-    dk_col += bos * K
+    if not GAMMA_T:
+        dk_col += bos * K
     DT = k_d.dtype
 
     b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
@@ -119,6 +136,16 @@ def rewy_bwd_kernel_consumer_tma(
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_D = tl.where(m_lt, -b_D, 0.0)
     b_gq, b_gr = _gamma_matrices(b_H, b_D, b_g, m_lt, scale, DT, USE_G)
+    if GAMMA_T:
+        # Γ_q, Γ_r once through this chunk's scratch, read back transposed (a loaded tile, not tl.trans of an MMA
+        # result: FLA issue 640): dk's column side then comes out as rows, without the fp32 dk_col round trip
+        gam += i_s.to(tl.int64) * 2 * BT * BT
+        o_c = tl.arange(0, BT)
+        tl.store(gam + o_i[:, None] * BT + o_c[None, :], b_gq)
+        tl.store(gam + BT * BT + o_i[:, None] * BT + o_c[None, :], b_gr)
+        tl.debug_barrier()
+        b_gqt = tl.load(tl.make_block_ptr(gam, (BT, BT), (1, BT), (0, 0), (BT, BT), (0, 1)))
+        b_grt = tl.load(tl.make_block_ptr(gam + BT * BT, (BT, BT), (1, BT), (0, 0), (BT, BT), (0, 1)))
 
     b_der = tl.zeros([BT], dtype=tl.float32)
     b_gb = tl.zeros([BT], dtype=tl.float32)
@@ -139,8 +166,9 @@ def rewy_bwd_kernel_consumer_tma(
                 b_qg += _mma(_tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), tl.trans(b_s0).to(DT), PREC)
             b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_q.to(tl.float32), b_k.to(tl.float32), b_hd, b_gamma, b_gb,
                                 scale, i_b, t0, i_h, i_k, BT, BK, DT, PREC, USE_G)
-            b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k,
-                                    BT, BK, DT, PREC, USE_G)
+            if not GAMMA_T:
+                b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0,
+                                        i_k, BT, BK, DT, PREC, USE_G)
         b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
         for i_v in range(0, (V + BV - 1) // BV):
@@ -163,8 +191,9 @@ def rewy_bwd_kernel_consumer_tma(
         b_qf = b_q.to(tl.float32)
         b_kf = b_k.to(tl.float32)
         if not SPLIT_DQ:
-            b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT, PREC,
-                                    USE_G)
+            if not GAMMA_T:
+                b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT,
+                                        PREC, USE_G)
             b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
                                 BT, BK, DT, PREC, USE_G)
 
@@ -172,9 +201,13 @@ def rewy_bwd_kernel_consumer_tma(
         b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
                                               b_der, b_gb, b_tail, scale, USE_G)
 
-        tl.debug_barrier()
-        p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-        b_dkr += tl.load(p_c, boundary_check=(0, 1))
+        if GAMMA_T:
+            b_brow, b_gb_col = _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT, PREC, USE_G)
+            b_dkr += b_brow
+        else:
+            tl.debug_barrier()
+            p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+            b_dkr += tl.load(p_c, boundary_check=(0, 1))
         dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
 
     _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
@@ -197,9 +230,9 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 one_beta: bool = False, dq_first: bool = False):
+                 one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
-    phase 2 in the "dq_first" order (module docstring)."""
+    phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ (module docstring)."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -212,20 +245,23 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    C = chunk_size
+    if gamma_t:  # Γ_q, Γ_r per chunk in the operand dtype, read back transposed
+        dk_col, gam = None, torch.empty(B * NT * H, 2, C, C, dtype=k.dtype, device=q.device)
+    else:
+        dk_col, gam = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device), None
     gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
-    C = chunk_size
     rewy_bwd_kernel_consumer_tma[(NT, B * H)](
         _desc4(q, C, BK), _desc4(k, C, BK), _desc4(v, C, BV), _desc4(R, C, BV), _desc4(Rbar, C, BV),
         _desc4(do, C, BV), _desc4(A, C, C),
         TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
         TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
         _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV),
-        G, erase, write, dk_col, gbar, derase, dwrite,
+        G, erase, write, dk_col, gam, gbar, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        SPLIT_DQ=bool(dq_first), num_warps=num_warps, num_stages=num_stages,
+        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv, gbar, derase, dwrite

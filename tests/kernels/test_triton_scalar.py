@@ -36,6 +36,7 @@ OTHERS = {
                                         consumer_cfg={"block_k": 64, "block_v": 64}, dv_local={"block_k": 16, "block_v": 64}),
     "tma-bk16-bv32": BASE.replace(consumer="joint_tma", consumer_cfg={"block_k": 16, "block_v": 32}),
     "tma-dq-first": BASE.replace(consumer="joint_tma", consumer_order="dq_first", consumer_cfg={"block_k": 16}),
+    "tma-gamma-t": BASE.replace(consumer="joint_tma", column_side="gamma_t", consumer_cfg={"block_k": 16}),
 }
 
 
@@ -184,11 +185,11 @@ def _consumer_args(gate, dtype, B=1, T=100, H=2, K=32, V=64, C=64):
     return q, k, v, G, e, w, A, R, Rbar, S0, dS1, do
 
 
-@pytest.mark.parametrize("dq_first", [False, True])
+@pytest.mark.parametrize("dq_first, gamma_t", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("one_beta", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", [True, False])
-def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first):
+def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, gamma_t):
     # The descriptor kernel computes the pointer kernel's products (in its order, or "dq_first": dq and dk's column
     # side before Ē_dir and K̄_t): on the interpreter the two agree to fp32 rounding (numpy may pick another
     # summation order for a transposed operand view; measured ≤ 3e-8), tail chunk (T = 100), several K and V
@@ -199,7 +200,7 @@ def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first):
     args = _consumer_args(gate, dtype)
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32, one_beta=one_beta)
     ours = consumer(*args, **kw)
-    tma = consumer_tma(*args, **kw, dq_first=dq_first)
+    tma = consumer_tma(*args, **kw, dq_first=dq_first, gamma_t=gamma_t)
     for name, a, b in zip(("dq", "dk", "dv", "gbar", "d_erase", "d_write"), ours, tma):
         assert (a is None) == (b is None), name
         if a is not None:
@@ -239,19 +240,21 @@ def test_no_initial_state_no_dht(op):
     assert_gates(out, oracle(x), ctx=f"{op} no h0/dht")
 
 
-@pytest.mark.parametrize("name", ["separate-fp32-bk16", "tma-bk16-bv32", "tma-dq-first"])
+@pytest.mark.parametrize("name", ["separate-fp32-bk16", "tma-bk16-bv32", "tma-dq-first", "tma-gamma-t"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_beta_zero(op, name):
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=5, beta_zero=True)
     assert_gates(run_triton(x, OTHERS[name]), oracle(x), ctx=f"{op} beta zero {name}")
 
 
-@pytest.mark.parametrize("consumer, order", [("joint", "fused"), ("joint_tma", "fused"), ("joint_tma", "dq_first")])
-def test_strong_decay_gdn(consumer, order):
+@pytest.mark.parametrize("consumer, order, column", [("joint", "fused", "scratch"), ("joint_tma", "fused", "scratch"),
+                                                   ("joint_tma", "dq_first", "scratch"),
+                                                   ("joint_tma", "dq_first", "gamma_t")])
+def test_strong_decay_gdn(consumer, order, column):
     # g ≈ logsigmoid(N)·4: chunk gate ranges far past exp's fp32 range if Λ were split into exp(G_i)·exp(−G_j).
     x = make_inputs("gdn", 1, 128, 1, 32, 32, seed=11, gate_div=0.25)
-    s = BASE.replace(consumer=consumer, consumer_order=order)
-    assert_gates(run_triton(x, s), oracle(x), ctx=f"gdn strong decay {consumer} {order}")
+    s = BASE.replace(consumer=consumer, consumer_order=order, column_side=column)
+    assert_gates(run_triton(x, s), oracle(x), ctx=f"gdn strong decay {consumer} {order} {column}")
 
 
 def test_single_partial_chunk():
@@ -279,6 +282,7 @@ FIELD_CHANGES = {
     "reverse_scan_segments": 3,
     "scan_split_waves": 1,  # a limit on the split: its effect is asserted in test_split_waves_limit_the_split
     "consumer_order": "dq_first",  # read by joint_tma: paired with it below
+    "column_side": "gamma_t",  # read by joint_tma: paired with it below
 }
 
 
@@ -289,7 +293,7 @@ def test_field_changes_cover_schedule():
 @pytest.mark.parametrize("field", list(FIELD_CHANGES))
 def test_each_field_one_at_a_time(field):
     base = BASE.replace(consumer="separate") if field in ("producer", "pd_dtype") else BASE
-    base = base.replace(consumer="joint_tma") if field == "consumer_order" else base
+    base = base.replace(consumer="joint_tma") if field in ("consumer_order", "column_side") else base
     changed = base.replace(**{field: FIELD_CHANGES[field]})
     assert changed != base
     x = make_inputs("gdn", 1, 100, 1, 32, 32, seed=13)
@@ -380,9 +384,11 @@ def test_schedule_json_roundtrip_and_validation():
         BASE.replace(consumer="fused")
     with pytest.raises(ValueError, match=r"consumer_order must be one of \('fused', 'dq_first'\)"):
         BASE.replace(consumer_order="joint")
-    # a schedule stored before consumer_order existed reads as the fused order
-    old = {k: v for k, v in BASE.to_dict().items() if k != "consumer_order"}
-    assert Schedule.from_dict(old).consumer_order == "fused"
+    with pytest.raises(ValueError, match=r"column_side must be one of \('scratch', 'gamma_t'\)"):
+        BASE.replace(column_side="rows")
+    # a schedule stored before these fields existed reads as the timed code
+    old = {k: v for k, v in BASE.to_dict().items() if k not in ("consumer_order", "column_side")}
+    assert Schedule.from_dict(old).consumer_order == "fused" and Schedule.from_dict(old).column_side == "scratch"
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):
@@ -445,9 +451,10 @@ def test_gpu_tma_dq_first_bf16(op, B, T, H):
     # joint_tma's "dq_first" phase-2 order at 8 and 4 warps (4: two CTAs per SM)
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
-    for warps in (8, 4):
-        s = _gpu_default().replace(consumer="joint_tma", consumer_order="dq_first", consumer_cfg={"num_warps": warps})
-        assert_bf16(run_triton(x, s), ref, f"gpu {op} {B},{T},{H} joint_tma dq_first {warps} warps")
+    for warps, column in ((8, "scratch"), (4, "scratch"), (8, "gamma_t")):
+        s = _gpu_default().replace(consumer="joint_tma", consumer_order="dq_first", column_side=column,
+                                   consumer_cfg={"num_warps": warps})
+        assert_bf16(run_triton(x, s), ref, f"gpu {op} {B},{T},{H} joint_tma dq_first {column} {warps} warps")
 
 
 @pytest.mark.gpu
@@ -641,13 +648,18 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     d4 = lambda bd, t=dt: f"tensordesc<{t}[1, 64, 1, {bd}]>"
     sig = {n: d4(64) for n in ("q_d", "k_d", "v_d", "r_d", "rb_d", "do_d", "dq_d", "dk_d", "dv_d")}
     sig.update({"a_d": d4(64), "s0_d": f"tensordesc<{dt}[1, 64, 64]>", "ds1_d": f"tensordesc<{dt}[1, 64, 64]>"})
-    sig.update({"G": "*fp32", "erase": p, "write": p, "dk_col": "*fp32", "gbar": "*fp32", "derase": p, "dwrite": p})
+    sig.update({"G": "*fp32", "erase": p, "write": p, "gbar": "*fp32", "derase": p, "dwrite": p})
     sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
-    sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ")})
-    for use_g, split, nw in ((True, False, 8), (False, False, 8), (True, True, 8), (True, True, 4)):
-        compile_(consumer_tma.rewy_bwd_kernel_consumer_tma, sig,
+    sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ",
+                                         "GAMMA_T")})
+    for use_g, split, gamma_t, nw in ((True, False, False, 8), (False, False, False, 8), (True, True, False, 8),
+                                      (True, True, False, 4), (True, False, True, 8), (False, True, True, 4)):
+        # the column-side scratch is one of two buffers: the other is passed as None (a constexpr)
+        sig_g = {**sig, "dk_col": "constexpr" if gamma_t else "*fp32", "gam": p if gamma_t else "constexpr"}
+        compile_(consumer_tma.rewy_bwd_kernel_consumer_tma, sig_g,
                  {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "PREC": "tf32",
-                  "ONE_BETA": use_g, "SPLIT_DQ": split}, nw)
+                  "ONE_BETA": use_g, "SPLIT_DQ": split, "GAMMA_T": gamma_t,
+                  **({"dk_col": None} if gamma_t else {"gam": None})}, nw)
 print("compiled")
 """
 
