@@ -12,8 +12,9 @@ sm_90 instructions. Here every input tile comes through a host-built tensor desc
   rows past T read as zero), which the MMA reads in place; elsewhere (and under the interpreter) Triton lowers it
   to ordinary loads, so the kernel runs everywhere;
 - a transposed operand is the same loaded tile under ``tl.trans`` (R for Rᵀ, S0 for S0ᵀ, Q for Qᵀ, ...): one load
-  serves both orientations. No ``tl.trans`` touches an MMA result (FLA issue 640): the column side of dk still
-  goes through the fp32 scratch ``dk_col`` as in ``local.py``;
+  serves both orientations. No ``tl.trans`` touches an MMA result (FLA issue 640): the column side of dk goes
+  through the fp32 scratch ``dk_col`` as in ``local.py`` (column_side "scratch"), or is formed as rows from Γ
+  stored and read back transposed ("gamma_t", below);
 - dq, dk, dv are stored through descriptors too (TMA stores clip rows past T).
 
 ``Schedule.consumer_order == "dq_first"`` (``dq_first=True``) runs phase 2 in another order: Q̄_g gets its own V
