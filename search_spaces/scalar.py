@@ -149,6 +149,10 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     resident = (C * C * e if joint else 0)
     k_phase = 2 * C * C * e + 4 * C * cc.block_k * e + C * cc.block_k * 4
     est["consumer_cfg"] = resident + max(v_loop + C * cc.block_v * e, k_phase)
+    if schedule.consumer == "joint_tma" and schedule.column_side == "gamma_t" and schedule.consumer_order == "fused":
+        # Γ_qᵀ, Γ_rᵀ as loaded operands next to the fused phase 2 (sm_90, hints, fp32 inputs: 245 816 B against
+        # 213 048 B with the scratch; "dq_first" stays at 213 032 B)
+        est["consumer_cfg"] += 2 * C * C * e
     return est
 
 

@@ -476,3 +476,16 @@ def test_scan_stages_reach_four_only_for_the_scans():
     # reverse BV 32 with 4 stages compiles to 235 020 B of shared memory for sm_90 (over the H200's 232 448 B)
     too_deep = fla_like.replace(reverse_scan={"num_stages": 4})
     assert any(r.startswith("reverse_scan: shared memory") for r in scalar.constraint(too_deep, H200))
+
+
+def test_gamma_t_shared_memory_bounds_the_sm90_compile():
+    # joint_tma with column_side "gamma_t", compiled for sm_90 with alignment hints (benchmarks/compile_times.py):
+    # fp32 inputs, fused order 245 816 B (over the H200's 232 448 B), dq_first 213 032 B; bf16 90 168 B either way
+    base = scalar.default_schedule((9, 0)).replace(consumer="joint_tma", column_side="gamma_t")
+    fp32 = {**H200, "dtype": "fp32"}
+    for order, compiled32 in (("fused", 245816), ("dq_first", 213032)):
+        s = base.replace(consumer_order=order)
+        assert scalar.shared_memory_estimate(s, 128, 128, 4)["consumer_cfg"] >= compiled32
+        assert any(r.startswith("consumer_cfg: shared") for r in scalar.constraint(s, fp32)) == (compiled32 > 232448)
+        assert scalar.shared_memory_estimate(s, 128, 128, 2)["consumer_cfg"] >= 90168
+        assert not [r for r in scalar.constraint(s, H200) if "shared" in r]
