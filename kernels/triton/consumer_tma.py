@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .local import _check_consumer_args, _dk_rows, _dq_rows, _gamma_matrices, _row_gates, _store_row_grads
+from .local import (_check_consumer_args, _chunk_prologue, _dk_rows, _dq_rows, _gamma_matrices, _row_gates,
+                    _store_row_grads)
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -97,15 +98,7 @@ def rewy_bwd_kernel_consumer_tma(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    o_i = tl.arange(0, BT)
-    rows = t0 + o_i
-    m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
-    n_last = tl.minimum(T - t0, BT) - 1
-    is_last = o_i == n_last
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
     i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
     bos = (i_b * T * H + i_h).to(tl.int64)
     if not GAMMA_T:

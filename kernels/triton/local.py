@@ -182,6 +182,24 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 # how tiles are loaded and stored. Triton inlines them: the pointer kernel's sm_90 code has the same instructions
 # as before (opcode histogram; only register names, scheduling and commuted FMUL/FFMA operands differ).
 @triton.jit
+def _chunk_prologue(T, H, BT: tl.constexpr):
+    """This program's chunk (program ids: chunk, batch·head): batch, head, first row t0, chunk-local rows o_i, their
+    valid mask and token index [(b·T + t)·H + h], the number of valid rows and the last valid row (a tail chunk has
+    fewer). Shared by the two scalar consumers. The vector consumer keeps its own copy: through this helper its sm_90
+    code changes (GDN2 stack 312 → 344 B), and that kernel's timing is the GPU-measured one."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    o_i = tl.arange(0, BT)
+    rows = t0 + o_i
+    m_row = rows < T
+    tok = (i_b * T + rows) * H + i_h
+    n_rows = tl.minimum(T - t0, BT)
+    is_last = o_i == n_rows - 1
+    return i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last
+
+
+@triton.jit
 def _row_gates(G, tok, m_row, is_last, BT: tl.constexpr, USE_G: tl.constexpr):
     """Per row: G, its chunk-end value G_n (row n), γ = exp(G), τ = exp(G_n − G); zeros without a gate."""
     if USE_G:
@@ -273,15 +291,7 @@ def rewy_bwd_kernel_consumer(
 ):
     # Tiles are addressed through block pointers: per-element pointer tensors of the ~10 tiles this kernel
     # walks would otherwise stay live across the V loop (2 registers per element) and spill.
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    o_i = tl.arange(0, BT)
-    rows = t0 + o_i
-    m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
-    n_last = tl.minimum(T - t0, BT) - 1  # last valid row of this chunk (tail chunk: fewer rows)
-    is_last = o_i == n_last
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
     bos = (i_b * T * H + i_h).to(tl.int64)  # token (b, 0, h)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
     DT = k.dtype.element_ty
