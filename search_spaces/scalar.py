@@ -45,6 +45,12 @@ CONDITIONS: dict[str, tuple[str, str]] = {
 }
 
 
+def tma_rows_fit(K: int, V: int) -> bool:
+    """Whether joint_tma's TMA rows (K and V elements of 16-bit or fp32 data) are 16-byte multiples: the rule the
+    constraint enforces and the cc-9.0 default follows."""
+    return K % 8 == 0 and V % 8 == 0
+
+
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -208,7 +214,7 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)
     reasons += recompute_fault_reasons(schedule, e, compute_capability_of(problem_dims))
-    if schedule.consumer == "joint_tma" and (K % 8 or V % 8):
+    if schedule.consumer == "joint_tma" and not tma_rows_fit(K, V):
         reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
                        "multiples of 8 (the pipeline would run the pointer kernel instead)")
     return reasons
@@ -325,7 +331,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # The joint consumer through tensor descriptors (TMA): GDN's benchmark geomean 1.053 -> 1.076x FLA
             # under R and 1.034 -> 1.074x under A, DeltaNet 0.878 -> 0.883x / 0.829 -> 0.837x (RESULTS.md,
             # session 12). TMA rows must be 16-byte multiples: other head dims keep the pointer kernel.
-            consumer="joint" if K % 8 or V % 8 else "joint_tma",
+            consumer="joint_tma" if tma_rows_fit(K, V) else "joint",
             # Sequence-split scans where B·H is small: the 16-wide scans' grid at B·H = 4 is 32 programs on 132
             # SMs; split 4 / 8 ways, GDN (1, 8192, 4) 0.603 -> 0.403 ms (FLA 0.580). At B·H = 32 the same split
             # cost 1.5x (0.469 -> 0.722 ms; RESULTS.md, session 7 sweep): two waves of the SMs keep it to B·H <= 8.
