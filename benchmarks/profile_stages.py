@@ -81,34 +81,32 @@ def variants_for(op: str, base):
         # The joint scalar consumer with 16-bit states compiles to the same PTX at 1, 2 and 3 stages (session 9,
         # sm_90 compile on a CPU), so stage variants of it would time the default's binary again.
         out["cons64x128"] = base.replace(consumer_cfg={"block_v": 128})
-        # Session 11: the joint consumer through tensor descriptors (consumer_tma.py). sm_90 code read on a CPU at
-        # 64 x 64, 8 warps: 3 464 instructions against 7 288, stack 240 B against 976, SHFL 73 against 295.
-        if base.consumer == "joint_tma":  # the H200 default since session 12: time the pointer kernel against it
+        # Session 11: the joint consumer through tensor descriptors (consumer_tma.py); the H200 default since
+        # session 12, so the pointer kernel is timed against it. Session 12 call 2, (2, 2048, 16): 4 warps (two CTAs per
+        # SM) ran DeltaNet 0.3595 against 0.3739 ms, GDN 0.4681 against 0.4269; 1 stage and 64 x 128 were slower.
+        # consumer_order "dq_first" keeps two [C, BK] accumulators live, not three, and column_side "gamma_t" drops
+        # the fp32 dk_col round trip. sm_90 with alignment hints: the default spills 112 B for GDN; dq_first at 4
+        # warps 232 B (GDN) / 120 B (DeltaNet), at 4 warps with block_k 32 96 B / none; with gamma_t nothing spills
+        # (GDN / DeltaNet registers: 8 warps 254 / 214, with dq_first 224 / 167, 4 warps with dq_first 255 / 248).
+        if base.consumer == "joint_tma":
             out["pointer"] = base.replace(consumer="joint")
         else:
             out["tma"] = base.replace(consumer="joint_tma")
-        out["tma-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_stages": 1})
-        # Session 12: 4 warps at 255 registers let two CTAs share an SM. Timed in call 2 with the 8-warp phase-2
-        # order (DeltaNet 0.3595 against 0.3739 ms, GDN 0.4681 against 0.4269). consumer_order "dq_first" (new) keeps
-        # two [C, BK] accumulators live, not three: sm_90 stack at 4 warps GDN 744 -> 232 B, DeltaNet 472 -> 120 B;
-        # at 8 warps GDN 112 -> 0 B.
-        out["tma-w4"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4})
-        out["tma-w4-1stage"] = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 4, "num_stages": 1})
-        out["tma-64x128"] = base.replace(consumer="joint_tma", consumer_cfg={"block_v": 128})
-        out["tma-dq-first"] = base.replace(consumer="joint_tma", consumer_order="dq_first")
-        out["tma-w4-dq-first"] = base.replace(consumer="joint_tma", consumer_order="dq_first",
-                                              consumer_cfg={"num_warps": 4})
-        # 4 warps with 32-wide K tiles: sm_90 (hints) DeltaNet 248 registers and no stack, GDN 96 B; 53-61 KB of
-        # shared memory, so two CTAs per SM
-        out["tma-w4-dq-first-32x64"] = base.replace(consumer="joint_tma", consumer_order="dq_first",
-                                                    consumer_cfg={"num_warps": 4, "block_k": 32})
-        # column_side "gamma_t" (no fp32 dk_col round trip): sm_90 (hints) without any stack in every variant here;
-        # GDN / DeltaNet registers at 8 warps 254 / 214, with dq_first 224 / 167, at 4 warps with dq_first 255 / 248
-        for name, order, cfg in (("tma-gamma-t", "fused", {}), ("tma-gamma-t-dq-first", "dq_first", {}),
-                                 ("tma-w4-gamma-t-dq-first", "dq_first", {"num_warps": 4}),
-                                 ("tma-w4-gamma-t-dq-first-32x64", "dq_first", {"num_warps": 4, "block_k": 32})):
-            out[name] = base.replace(consumer="joint_tma", column_side="gamma_t", consumer_order=order,
-                                     consumer_cfg=cfg)
+        w4, w4k32 = {"num_warps": 4}, {"num_warps": 4, "block_k": 32}
+        for name, changes in (("tma-1stage", dict(consumer_cfg={"num_stages": 1})),
+                              ("tma-w4", dict(consumer_cfg=w4)),
+                              ("tma-w4-1stage", dict(consumer_cfg={"num_warps": 4, "num_stages": 1})),
+                              ("tma-64x128", dict(consumer_cfg={"block_v": 128})),
+                              ("tma-dq-first", dict(consumer_order="dq_first")),
+                              ("tma-w4-dq-first", dict(consumer_order="dq_first", consumer_cfg=w4)),
+                              ("tma-w4-dq-first-32x64", dict(consumer_order="dq_first", consumer_cfg=w4k32)),
+                              ("tma-gamma-t", dict(column_side="gamma_t")),
+                              ("tma-gamma-t-dq-first", dict(column_side="gamma_t", consumer_order="dq_first")),
+                              ("tma-w4-gamma-t-dq-first", dict(column_side="gamma_t", consumer_order="dq_first",
+                                                               consumer_cfg=w4)),
+                              ("tma-w4-gamma-t-dq-first-32x64", dict(column_side="gamma_t", consumer_order="dq_first",
+                                                                     consumer_cfg=w4k32))):
+            out[name] = base.replace(consumer="joint_tma", **changes)
     # Session 12 (call 3, GDN / DeltaNet (2, 2048, 16)): each scan's value tile and warps on their own, at 2 stages:
     # BV 32 or 64 and 2, 4 or 8 warps were all as slow as or slower than the default's BV 16 (forward 64-114 µs, reverse
     # 73-191 µs, against FLA's 36-40 and 46-73 µs). FLA's autotuner picked BV 32, 4 warps with 4 stages (forward) and
