@@ -303,9 +303,12 @@ def segment_reasons(schedule: Schedule, K: int, smem_limit: int) -> list[str]:
     return reasons
 
 
-def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128) -> Schedule:
+def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
+                     dtype: str | None = None, vector_gates: bool = False) -> Schedule:
     """Built-in schedule: tuned-by-hand starting point for Hopper (9, 0), a conservative generic one otherwise.
 
+    dtype: the inputs' ("bf16", "fp16", "fp32"; None: 16-bit). vector_gates: the base the vector space builds on
+    (the pointer consumer and the session-11 scans, which its default was measured with).
     The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""
@@ -313,15 +316,23 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     bk = min(64, kk)
     bv = min(64, max(16, _pow2_ceil(V)))
     if compute_capability is not None and tuple(compute_capability) == (9, 0):
+        tma = tma_rows_fit(K, V) and not vector_gates
+        # Session 13 sweep, (2, 2048, 16): the reverse scan at FLA's pick (32-wide value tiles, 3 stages) 77 -> 55 µs
+        # (GDN); with fp32 inputs its 3 stages would need more shared memory than the H200 has.
+        wide_reverse = not vector_gates and kk <= 128 and V >= 32 and dtype != "fp32"
         return Schedule(
             recompute=StageConfig(bk, bv, 4, 2),
             # Scans: 16-wide value tiles (4x the programs of BV=64) measured fastest on the H200 at K=V=128:
             # GDN (1,8192,4) backward 0.976 -> 0.728 ms (benchmarks/RESULTS.md, stage sweep).
             forward_scan=StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
             dv_local=StageConfig(min(128, kk), min(128, max(16, _pow2_ceil(V))), 4, 2),
-            reverse_scan=StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
+            reverse_scan=StageConfig(kk, 32, 4, 3) if wide_reverse else StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
             producer=StageConfig(64, bv, 4, 2),
-            consumer_cfg=StageConfig(bk, bv, 8, 2),
+            # joint_tma at 4 warps (two CTAs per SM) with dq first and the column side from stored Γ tiles: nothing
+            # spills (sm_90 compile with alignment hints). Session 13 sweep, (2, 2048, 16): GDN 0.427 -> 0.340 ms,
+            # DeltaNet 0.374 -> 0.310 ms (RESULTS.md).
+            consumer_cfg=StageConfig(bk, bv, 4 if tma else 8, 2),
+            consumer_order="dq_first" if tma else "fused", column_side="gamma_t" if tma else "scratch",
             cumsum=StageConfig(64, 64, 4, 1),
             # Per-chunk states in the input dtype (bf16 in training), as FLA stores them: the states are the
             # largest saved tensor (fp32 put peak backward memory 15 % above FLA's) and the scans move them
@@ -331,7 +342,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # The joint consumer through tensor descriptors (TMA): GDN's benchmark geomean 1.053 -> 1.076x FLA
             # under R and 1.034 -> 1.074x under A, DeltaNet 0.878 -> 0.883x / 0.829 -> 0.837x (RESULTS.md,
             # session 12). TMA rows must be 16-byte multiples: other head dims keep the pointer kernel.
-            consumer="joint_tma" if tma_rows_fit(K, V) else "joint",
+            consumer="joint_tma" if tma else "joint",
             # Sequence-split scans where B·H is small: the 16-wide scans' grid at B·H = 4 is 32 programs on 132
             # SMs; split 4 / 8 ways, GDN (1, 8192, 4) 0.603 -> 0.403 ms (FLA 0.580). At B·H = 32 the same split
             # cost 1.5x (0.469 -> 0.722 ms; RESULTS.md, session 7 sweep): two waves of the SMs keep it to B·H <= 8.

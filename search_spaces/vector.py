@@ -308,6 +308,6 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     if (op in ("kda", "gdn2") and compute_capability is not None and tuple(compute_capability) == (9, 0)
             and K == V == 128 and dtype in (None, "bf16", "fp16")):
         return Schedule(**VECTOR_H200)
-    base = scalar.default_schedule(compute_capability, K=K, V=V)
-    # the descriptor consumer is scalar-gate only: vector gates take the pointer kernel of the same tiles
-    return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))}, consumer="joint")
+    # the descriptor consumer is scalar-gate only: vector gates take the pointer kernel
+    base = scalar.default_schedule(compute_capability, K=K, V=V, dtype=dtype, vector_gates=True)
+    return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))})

@@ -278,6 +278,28 @@ def test_the_scalar_h200_default_takes_the_descriptor_consumer_where_tma_can_add
             assert vector.default_schedule((9, 0), K=KV, V=KV, op=op).consumer != "joint_tma"
 
 
+def test_the_scalar_h200_default_by_input_dtype():
+    # joint_tma at 4 warps with dq_first and gamma_t (session 13); the reverse scan at FLA's 32-wide, 3-stage setting
+    # with 16-bit inputs only: with fp32 tiles those 3 stages would not fit the H200's shared memory
+    for dtype in (None, "bf16", "fp16", "fp32"):
+        d = scalar.default_schedule((9, 0), dtype=dtype)
+        assert (d.consumer, d.consumer_cfg.num_warps, d.consumer_order, d.column_side) == \
+            ("joint_tma", 4, "dq_first", "gamma_t")
+        e = "fp32" if dtype == "fp32" else "bf16"
+        assert scalar.constraint(d, {"K": 128, "V": 128, "dtype": e, "compute_capability": (9, 0)}) == []
+        rs = d.reverse_scan
+        assert (rs.block_v, rs.num_stages) == ((16, 2) if dtype == "fp32" else (32, 3))
+    wide = scalar.default_schedule((9, 0), dtype="bf16")
+    assert any("reverse_scan: shared memory" in r for r in scalar.constraint(
+        wide, {"K": 128, "V": 128, "dtype": "fp32", "compute_capability": (9, 0)}))
+    # where TMA cannot address the rows, the pointer consumer keeps its 8 warps and the session-12 order
+    p = scalar.default_schedule((9, 0), K=100, V=128)
+    assert (p.consumer, p.consumer_cfg.num_warps, p.consumer_order, p.column_side) == ("joint", 8, "fused", "scratch")
+    # the dtype reaches the scalar space through the package entry point, as the op asks for it
+    from rewy_tune.search_spaces import default_schedule
+    assert default_schedule((9, 0), op="gdn", dtype="fp32") == scalar.default_schedule((9, 0), dtype="fp32")
+
+
 def test_the_h200_vector_defaults():
     # KDA and GDN2 at K = V = 128 with 16-bit inputs: the campaign-measured schedule, dv_local from the forward's
     # A_qk; other head dims, fp32 inputs and other GPUs: the scalar-derived one
@@ -285,13 +307,21 @@ def test_the_h200_vector_defaults():
         assert vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert vector.default_schedule((9, 0), op=op, dtype="bf16") == Schedule(**vector.VECTOR_H200)
         assert vector.default_schedule((9, 0), op=op).dv_local_source == "forward"
-        # the scalar-derived one, less the scalar-only descriptor consumer
-        pointer = {"consumer": "joint"}
+        # the scalar-derived one, less the scalar-only descriptor consumer and its settings: the pointer consumer at
+        # 8 warps and the 16-wide reverse scan the vector default was measured with (session 11)
+        pointer = {"consumer": "joint", "consumer_cfg": {"num_warps": 8}, "consumer_order": "fused",
+                   "column_side": "scratch", "reverse_scan": {"block_v": 16, "num_stages": 2}}
         fp32 = vector.default_schedule((9, 0), op=op, dtype="fp32")
-        assert fp32 == scalar.default_schedule((9, 0)).replace(**pointer)
-        for KV in (64, 256):
-            assert vector.default_schedule((9, 0), K=KV, V=KV, op=op) == \
-                scalar.default_schedule((9, 0), K=KV, V=KV).replace(**pointer)
+        assert fp32 == scalar.default_schedule((9, 0), dtype="fp32").replace(**pointer)
+        for KV in (64, 128):
+            for dtype in (None, "bf16"):
+                if KV == 128 and dtype is not None:
+                    continue  # K = V = 128 with 16-bit inputs: VECTOR_H200 above
+                got = vector.default_schedule((9, 0), K=KV, V=KV, op=op, dtype=dtype if KV != 128 else "fp32")
+                want = scalar.default_schedule((9, 0), K=KV, V=KV, dtype=dtype if KV != 128 else "fp32")
+                assert got == want.replace(**pointer, cumsum={"block_k": min(64, KV)})
+        assert vector.default_schedule((9, 0), K=256, V=256, op=op) == scalar.default_schedule(
+            (9, 0), K=256, V=256).replace(**{**pointer, "reverse_scan": {"block_v": 16, "num_stages": 1}})
     assert vector.default_schedule((8, 0), op="gdn2") == vector.default_schedule((8, 0), op="kda")
     assert vector.default_schedule(None, op="gdn2").dv_local_source == "recompute"
 
@@ -455,7 +485,7 @@ def test_register_model_counts_descriptor_tiles_in_shared_memory():
     # joint_tma's [C, BV] tiles arrive by TMA in shared memory: at 4 warps it is searchable (the H200 ran DeltaNet
     # faster with it, session 12), where the pointer kernel's register-passed tiles still count as spilling
     four = {"num_warps": 4}
-    tma = scalar.default_schedule((9, 0)).replace(consumer="joint_tma", consumer_cfg=four)
+    tma = scalar.default_schedule((9, 0)).replace(consumer="joint_tma", consumer_cfg=four, consumer_order="fused")
     ptr = tma.replace(consumer="joint")
     assert not [r for r in scalar.constraint(tma, H200) if r.startswith("consumer_cfg")]
     assert any(r.startswith("consumer_cfg") and "spill" in r for r in scalar.constraint(ptr, H200))

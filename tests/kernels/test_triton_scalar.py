@@ -404,16 +404,27 @@ def test_schedule_json_roundtrip_and_validation():
 BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
 
 
-def _gpu_default():
-    """The schedule the GPU tests gate: the device's built-in default, or a candidate default named by
-    REWY_TEST_GPU_SCHEDULE (a Schedule JSON file), so a new default passes the GPU suite before it is adopted."""
+def _gpu_default(dtype=None):
+    """The schedule the GPU tests gate: the device's built-in default for the inputs' dtype ("fp32" or None:
+    16-bit), or a candidate default named by REWY_TEST_GPU_SCHEDULE (a Schedule JSON file), so a new default passes
+    the GPU suite before it is adopted."""
     path = os.environ.get("REWY_TEST_GPU_SCHEDULE")
     if path:
         with open(path) as f:
             return Schedule.from_json(f.read())
     from rewy_tune.search_spaces import default_schedule
 
-    return default_schedule(torch.cuda.get_device_capability())
+    return default_schedule(torch.cuda.get_device_capability(), dtype=dtype)
+
+
+def _with_consumer(schedule, consumer):
+    """The schedule with another consumer; the pointer consumers at their own 8 warps (the cc-9.0 default runs
+    joint_tma at 4 warps, where the pointer kernels' register and shared-memory models reject it)."""
+    if consumer == schedule.consumer:
+        return schedule
+    if consumer == "joint_tma":
+        return schedule.replace(consumer=consumer)
+    return schedule.replace(consumer=consumer, consumer_cfg={"num_warps": 8})
 
 
 def test_gpu_tests_gate_a_candidate_schedule_file(tmp_path, monkeypatch):
@@ -442,7 +453,7 @@ def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
-        out = run_triton(x, _gpu_default().replace(state_dtype=states, consumer=consumer))
+        out = run_triton(x, _with_consumer(_gpu_default(), consumer).replace(state_dtype=states))
         assert_bf16(out, ref, f"gpu {op} {B},{T},{H} {consumer} {states} states")
 
 
@@ -467,8 +478,9 @@ def test_gpu_tma_dq_first_bf16(op, B, T, H):
 def test_gpu_fp32_gate(op, B, T, H, policy):
     # fp32 inputs at benchmark sizes: the project gate (0.8 % / 2 %), compiled kernels (tf32 never used: "ieee").
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.float32, device="cuda", seed=T + H, gate_div=1.0)
-    for name, s in (("default", _gpu_default()), ("separate", _gpu_default().replace(consumer="separate")),
-                    ("joint_tma", _gpu_default().replace(consumer="joint_tma"))):
+    base = _gpu_default("fp32")
+    for name, s in (("default", base), ("separate", _with_consumer(base, "separate")),
+                    ("joint_tma", _with_consumer(base, "joint_tma"))):
         assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"gpu fp32 {op} {B},{T},{H} {policy} {name}")
 
 
@@ -483,6 +495,7 @@ def test_gpu_head_dims(op, KV):
     x = make_inputs(op, 1, 1000, 4, KV, KV, dtype=torch.bfloat16, device="cuda", seed=KV, gate_div=1.0)
     assert_bf16(run_triton(x, s), oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
                 f"gpu {op} K=V={KV} bf16")
+    s = default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, dtype="fp32")
     x = make_inputs(op, 1, 1000, 4, KV, KV, dtype=torch.float32, device="cuda", seed=KV, gate_div=1.0)
     assert_gates(run_triton(x, s), oracle(x), ctx=f"gpu {op} K=V={KV} fp32")
 
@@ -491,7 +504,7 @@ def test_gpu_head_dims(op, KV):
 @pytest.mark.parametrize("consumer", ["joint", "separate", "joint_tma"])
 def test_gpu_run_twice_bitwise(consumer):
     x = make_inputs("gdn", 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
-    s = _gpu_default().replace(consumer=consumer)
+    s = _with_consumer(_gpu_default(), consumer)
     a, b = run_triton(x, s), run_triton(x, s)
     for n in NAMES:
         assert torch.equal(a[n], b[n]), n
@@ -500,7 +513,7 @@ def test_gpu_run_twice_bitwise(consumer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("consumer", ["joint", "joint_tma"])
 def test_gpu_cuda_graph_replay(consumer):
-    s = _gpu_default().replace(consumer=consumer)  # joint_tma: host-built descriptors captured in the graph
+    s = _with_consumer(_gpu_default(), consumer)  # joint_tma: host-built descriptors captured in the graph
     x = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
     y = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=2, gate_div=1.0)
     scale = 128 ** -0.5
