@@ -31,8 +31,9 @@ diag(exp(G_n − G)) K dS, Q_gᵀdO = Qᵀ diag(s·exp(G)) dO — the same produ
 Compile report (ahead-of-time sm_90a, Triton 3.6 + its ptxas, bf16 inputs, K = V = 128, BT = 64, scalar gate,
 4 warps, 2 stages; registers/spill-store bytes/shared bytes; per-chunk state storage fp32 | bf16; not a speed
 measurement, only the H200 can give that). Compiled without a GPU launch's 16-byte alignment hints (session 12
-found the gap): with them the BV 16 scans take 66 / 72 registers, no spills, 67 844 / 109 060 B of shared memory
-(cp.async-pipelined tile loads), matching ncu on the H200.
+found the gap): with them the BV 16 scans took 66 / 72 registers, no spills, 67 844 / 109 060 B of shared memory
+(cp.async-pipelined tile loads), matching ncu on the H200. Since session 13 the forward scan adds U after its products (U's tile pipelined
+too): 72 registers, 69 892 B; the 16-bit default's reverse scan is BV 32 at 3 stages: 132 registers, 177 160 B.
 
     kernel      BV   before (one 128-row tile)            after (two 64-row register blocks)
     fwd scan    16   255 / 0    / 20 740 | 255 / 0    / 22 788     255 / 0   / 10 500 | 255 / 0   / 10 500
@@ -208,8 +209,14 @@ def rewy_fwd_scan_kernel(
             if NB > 3:
                 _state_block_store(p_h, b_s3, cols, is_bias, V, 3, K, KB)
         m_rv = m_row[:, None] & is_bias[None, :]
-        # R = U − W S0, one [BT, KB] × [KB, BV] product per state block, accumulated in fp32
-        b_r = tl.load(U + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0).to(tl.float32)
+        # R = U − W S0, one [BT, KB] × [KB, BV] product per state block, accumulated in fp32. U is added after the
+        # products, not passed as their accumulator: the products then start without waiting for U's load, which
+        # would otherwise sit in the serial chain of every step (session 13: FLA's scan adds v after its dot too).
+        b_u = tl.load(U + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0)
+        if GATE == 1:  # issued before the products for the same reason
+            b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
+            b_gl = tl.load(G + tok_last).to(tl.float32)
+        b_r = tl.zeros([BT, BV], dtype=tl.float32)
         b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s0, 0, K, KB, PREC)
         if NB > 1:
             b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s1, 1, K, KB, PREC)
@@ -217,12 +224,11 @@ def rewy_fwd_scan_kernel(
             b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s2, 2, K, KB, PREC)
         if NB > 3:
             b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s3, 3, K, KB, PREC)
+        b_r += b_u.to(tl.float32)
         if PHASE == 0:
             tl.store(R + tok[:, None] * V + cols[None, :], b_r.to(R.dtype.element_ty), mask=m_rv)
         b_egl = 1.0
         if GATE == 1:
-            b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
-            b_gl = tl.load(G + tok_last).to(tl.float32)
             # K_tᵀR = Kᵀ(diag(exp(G_n − G)) R): decay the [BT, BV] rows, not the [K, BT] operand.
             # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
             b_r = b_r * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
@@ -306,6 +312,8 @@ def rewy_bwd_scan_kernel(
             b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d2, 2, K, KB, GATE, PREC)
         if NB > 3:
             b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d3, 3, K, KB, GATE, PREC)
+        # dO and the gates are loaded after the products: loading them first (as the forward scan loads U) made
+        # GDN's reverse scan slower on the H200, 55.8 -> 59.9 µs at (2, 2048, 16) (session 13, call 5)
         b_do = tl.load(do + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0)
         b_egl = 1.0
         if GATE == 1:
