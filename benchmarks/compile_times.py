@@ -181,6 +181,12 @@ def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[s
         out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
         if rec["name"] in sass:
             print(f"{rec['name']} {opts}: {_instruction_mix(c.asm['cubin'])}")
+            if os.environ.get("SASS_DUMP"):  # the whole listing, to read a loop body
+                path = os.path.join(os.environ["SASS_DUMP"], f"{rec['name']}-w{opts.get('num_warps')}"
+                                    f"-s{opts.get('num_stages')}.sass")
+                with open(path, "w") as f:
+                    f.write(_cubin_tool("nvdisasm", "-c", c.asm["cubin"]))
+                print(f"   SASS written to {path}")
     return out
 
 

@@ -102,10 +102,12 @@ def _state_block_store(p, b, cols, m_col, ld: tl.constexpr, i_kb: tl.constexpr, 
 @triton.jit
 def _fwd_w_dot(acc, W, tok, m_row, b_s, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                PREC: tl.constexpr):
-    # acc − W[:, block] · S[block]   (the state's negation is exact in any dtype)
+    # acc + W[:, block] · S[block]. S enters the product as the same cast value the per-chunk store writes (with
+    # 16-bit states), so the compiler stages it in shared memory once for both (a negated operand needed its own
+    # copy and two more CTA barriers per step).
     o_k = i_kb * KB + tl.arange(0, KB)
     b_w = tl.load(W + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & (o_k < K)[None, :], other=0.0)
-    return _mma(b_w, (-b_s).to(W.dtype.element_ty), acc, PREC)
+    return _mma(b_w, b_s.to(W.dtype.element_ty), acc, PREC)
 
 
 @triton.jit
@@ -224,7 +226,7 @@ def rewy_fwd_scan_kernel(
             b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s2, 2, K, KB, PREC)
         if NB > 3:
             b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s3, 3, K, KB, PREC)
-        b_r += b_u.to(tl.float32)
+        b_r = b_u.to(tl.float32) - b_r
         if PHASE == 0:
             tl.store(R + tok[:, None] * V + cols[None, :], b_r.to(R.dtype.element_ty), mask=m_rv)
         b_egl = 1.0
