@@ -74,3 +74,33 @@ def test_compiles_what_a_gpu_launch_compiles(tmp_path):
     assert re.search(r"^rewy_bwd_kernel_consumer_tma +[\d.]+ CPU s", out.stdout, re.M), out.stdout
     sass = next(line for line in out.stdout.splitlines() if line.startswith("rewy_fwd_scan_kernel {"))
     assert re.search(r"\bLDGSTS \d+", sass), sass
+
+
+def test_forward_scan_stages_no_more_than_flas_kernel(tmp_path):
+    # At equal settings (BV 16, 4 warps, 2 stages, K = V = 128, bf16, no gate) our forward scan's SASS has FLA's
+    # count of CTA barriers and shared-memory stores. Session 13: a negated state operand cost its own copy and two
+    # more barriers per step (9 against 6 barriers in the kernel).
+    from rewy_tune.search_spaces import default_schedule
+
+    pytest.importorskip("fla")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), SASS_TOP="500")  # every opcode, not the 24 most frequent
+    sched = tmp_path / "schedule.json"
+    sched.write_text(default_schedule((9, 0), op="deltanet").replace(
+        forward_scan={"block_v": 16, "num_warps": 4, "num_stages": 2}).to_json())
+    ours = subprocess.run([sys.executable, str(SCRIPT), "--op", "deltanet", "--schedule", str(sched), "--sass",
+                           "rewy_fwd_scan_kernel"], capture_output=True, text=True, env=env, timeout=600)
+    fla = subprocess.run([sys.executable, str(SCRIPT.with_name("fla_scan_sass.py")), "--block-v", "16", "--warps",
+                          "4", "--stages", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert fla.returncode == 0, fla.stderr[-3000:]
+    if "regs" not in ours.stdout:
+        pytest.skip("this Triton wheel bundles no cuobjdump")
+
+    def mix(stdout, prefix):
+        line = next(s for s in stdout.splitlines() if s.startswith(prefix) and "instructions;" in s)
+        return {k: int(v) for k, v in re.findall(r"([A-Z][A-Z0-9_]*) (\d+)", line.split(";", 1)[1])}
+
+    a, b = mix(ours.stdout, "rewy_fwd_scan_kernel {"), mix(fla.stdout, "")
+    for op in ("BAR", "STSM", "HGMMA"):
+        assert 0 < a.get(op, 0) <= b.get(op, 0), (op, a, b)
