@@ -40,6 +40,7 @@ import triton.language as tl
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
+from .local import _chunk_prologue
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
 CENTRED_MAX_RANGE = 128.0
@@ -260,15 +261,8 @@ def rewy_bwd_kernel_consumer_vector(
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    o_i = tl.arange(0, BT)
-    rows = t0 + o_i
-    m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
-    n_rows = tl.minimum(T - t0, BT)
-    is_last = o_i == n_rows - 1  # last valid row (tail chunk: fewer rows)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
+    i_bh = tl.program_id(1)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
     DT = k.dtype.element_ty
     m_cc = m_row[:, None] & m_row[None, :]
