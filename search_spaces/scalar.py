@@ -34,10 +34,11 @@ STAGES_CHOICES = [1, 2, 3]
 SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
+# Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
+TMA_ONLY_FIELDS = ("consumer_order", "column_side")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
-    "consumer_order": ("consumer", "joint_tma"),
-    "column_side": ("consumer", "joint_tma"),
+    **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
     "pd_dtype": ("consumer", "separate"),
     "producer.block_v": ("consumer", "separate"),
     "producer.num_warps": ("consumer", "separate"),

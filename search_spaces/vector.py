@@ -78,7 +78,7 @@ __all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PREC
 # dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
 # not sample it (each such trial would otherwise have duplicates that differ in an unread field).
 CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.items()
-                                             if n not in ("consumer_order", "column_side")},
+                                             if n not in scalar.TMA_ONLY_FIELDS},
                                           "dv_local.block_k": ("dv_local_source", "recompute")}
 
 
@@ -88,7 +88,8 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
     # dv_local_source first: the tuner samples in this order and dv_local.block_k is conditional on it
     out = {"dv_local_source": list(DV_LOCAL_SOURCE_CHOICES), **scalar.space(K, V)}
     out["consumer"] = ["joint", "separate"]  # "joint_tma" is a scalar-gate consumer
-    del out["consumer_order"], out["column_side"]  # read by joint_tma only
+    for name in scalar.TMA_ONLY_FIELDS:  # read by joint_tma only
+        del out[name]
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)
@@ -301,8 +302,8 @@ VECTOR_H200 = {
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
                      op: str | None = None, dtype: str | None = None) -> Schedule:
     """Built-in schedule for KDA/GDN2: the scalar default (it passes this model) with the joint pointer
-    consumer, and the vector cumsum's feature tile no wider than K; on compute capability 9.0 at K = V = 128 with 16-bit inputs (dtype None:
-    16-bit assumed) the campaign-measured one (`VECTOR_H200`). Its 3-stage, 128-wide scans need 246 784 B of
+    consumer, and the vector cumsum's feature tile no wider than K; on compute capability 9.0 at K = V = 128 with
+    16-bit inputs (dtype None: 16-bit assumed) the campaign-measured one (`VECTOR_H200`). Its 3-stage, 128-wide scans need 246 784 B of
     shared memory with fp32 inputs (over the H200's 232 448 B: the H200 fp32 gate tests of session 4), so fp32
     inputs take the scalar-derived one."""
     if (op in ("kda", "gdn2") and compute_capability is not None and tuple(compute_capability) == (9, 0)
