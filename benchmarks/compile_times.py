@@ -129,64 +129,81 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[str, float, int]]:
-    os.environ.pop("TRITON_INTERPRET", None)
-    import importlib
+def sm90_signature(kernel, values: dict) -> tuple[dict, dict, dict]:
+    """Triton's signature, constexprs and attributes for an sm_90 compile of `kernel` (a JITFunction), from
+    `values`: argument name -> (kind, value) as `_kind` records them ("ptr", "desc", "int", "float", "const",
+    "none"); a missing name is None."""
+    names = kernel.arg_names
+    constexpr_names = {names[i] for i in kernel.constexprs}
+    no_spec = {prm.name for prm in kernel.params if prm.do_not_specialize}
+    sig, consts, attrs = {}, {}, {}
+    for i, n in enumerate(names):
+        kind, val = values.get(n, ("none", None))
+        # What a GPU launch specializes on (Triton's "D" key): 16-byte aligned pointers (torch allocations
+        # are) and integers divisible by 16. Without it the compile vectorizes and pipelines less than the
+        # GPU's (session 12: the forward scan's shared memory read 10 500 B here and 67 840 B in ncu).
+        if kind == "ptr" or (kind == "int" and n not in no_spec and n not in constexpr_names and val % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        if n in constexpr_names or kind in ("none", "const"):
+            sig[n] = "constexpr"
+            consts[n] = val
+        elif kind == "ptr":
+            sig[n] = "*" + val
+        elif kind == "desc":
+            sig[n] = val
+        elif kind == "int":
+            sig[n] = "i32"
+        else:
+            sig[n] = "fp32"
+    return sig, consts, attrs
 
+
+def compile_sm90(kernel, sig: dict, consts: dict, attrs: dict, opts: dict):
+    """The compiled kernel for sm_90 (Triton bundles ptxas: no GPU needed)."""
+    os.environ.pop("TRITON_INTERPRET", None)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def print_sass(name: str, opts: dict, cubin: bytes) -> None:
+    """The opcode mix of one compiled kernel, and with SASS_DUMP=DIR its whole listing (to read a loop body)."""
+    print(f"{name} {opts}: {_instruction_mix(cubin)}")
+    if os.environ.get("SASS_DUMP"):
+        path = os.path.join(os.environ["SASS_DUMP"], f"{name}-w{opts.get('num_warps')}-s{opts.get('num_stages')}.sass")
+        with open(path, "w") as f:
+            f.write(_cubin_tool("nvdisasm", "-c", cubin))
+        print(f"   SASS written to {path}")
+
+
+def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[str, float, int]]:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import importlib
+
     out, seen = [], set()
     for rec in launches:
         mod = importlib.import_module(f"rewy_tune.kernels.triton.{rec['module']}")
         kernel = getattr(mod, rec["name"])
-        names = kernel.arg_names
-        constexpr_names = {names[i] for i in kernel.constexprs}
-        values = dict(zip(names, rec["args"]))
+        values = dict(zip(kernel.arg_names, rec["args"]))
         opts = {}
         for k, v in rec["kwargs"].items():
             if k in ("num_warps", "num_stages"):
                 opts[k] = v[1]
             else:
                 values[k] = v
-        sig, consts, attrs = {}, {}, {}
-        no_spec = {prm.name for prm in kernel.params if prm.do_not_specialize}
-        for i, n in enumerate(names):
-            kind, val = values.get(n, ("none", None))
-            # What a GPU launch specializes on (Triton's "D" key): 16-byte aligned pointers (torch allocations
-            # are) and integers divisible by 16. Without it the compile vectorizes and pipelines less than the
-            # GPU's (session 12: the forward scan's shared memory read 10 500 B here and 67 840 B in ncu).
-            if kind == "ptr" or (kind == "int" and n not in no_spec and n not in constexpr_names and val % 16 == 0):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            if n in constexpr_names or kind in ("none", "const"):
-                sig[n] = "constexpr"
-                consts[n] = val
-            elif kind == "ptr":
-                sig[n] = "*" + val
-            elif kind == "desc":
-                sig[n] = val
-            elif kind == "int":
-                sig[n] = "i32"
-            else:
-                sig[n] = "fp32"
+        sig, consts, attrs = sm90_signature(kernel, values)
         key = (rec["name"], json.dumps(consts, sort_keys=True, default=str), json.dumps(opts, sort_keys=True))
         if key in seen:
             continue
         seen.add(key)
         c0 = _cpu_seconds()
-        c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), target=target,
-                           options=opts)
+        c = compile_sm90(kernel, sig, consts, attrs, opts)
         out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
         if rec["name"] in sass:
-            print(f"{rec['name']} {opts}: {_instruction_mix(c.asm['cubin'])}")
-            if os.environ.get("SASS_DUMP"):  # the whole listing, to read a loop body
-                path = os.path.join(os.environ["SASS_DUMP"], f"{rec['name']}-w{opts.get('num_warps')}"
-                                    f"-s{opts.get('num_stages')}.sass")
-                with open(path, "w") as f:
-                    f.write(_cubin_tool("nvdisasm", "-c", c.asm["cubin"]))
-                print(f"   SASS written to {path}")
+            print_sass(rec["name"], opts, c.asm["cubin"])
     return out
 
 

@@ -31,40 +31,26 @@ def main() -> None:
     ap.add_argument("--gated", action="store_true", help="with GDN's scalar gate (g); default: DeltaNet (no gate)")
     ap.add_argument("--sass-dump", metavar="DIR", help="also write the whole nvdisasm listing there")
     args = ap.parse_args()
-    os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    os.environ.pop("TRITON_INTERPRET", None)  # before FLA's kernels are defined: compiled, not interpreted
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
 
     while not hasattr(kernel, "constexprs"):  # past FLA's autotuner and heuristics wrappers
         kernel = kernel.fn
     ct = _compile_times()
-    values = dict(k="*bf16", v="*bf16", w="*bf16", v_new="*bf16", g="*fp32" if args.gated else None, gk=None,
-                  h="*bf16", h0=None, ht=None, cu_seqlens=None, chunk_offsets=None, T="i32", H=16, HV=16, K=128,
-                  V=128, BT=64, BV=args.block_v, USE_G=args.gated, USE_GK=False, USE_INITIAL_STATE=False,
-                  STORE_FINAL_STATE=False, SAVE_NEW_VALUE=True, STATE_V_FIRST=False, IS_VARLEN=False)
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        val = values[name]
-        if isinstance(val, str):
-            sig[name] = val
-            if val.startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name], consts[name] = "constexpr", val
-    c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps, "num_stages": args.stages})
+    ptr = ("ptr", "bf16")
+    values = {"k": ptr, "v": ptr, "w": ptr, "v_new": ptr, "h": ptr, "T": ("int", 2048),
+              "g": ("ptr", "fp32") if args.gated else ("none", None)}
+    values.update((n, ("const", v)) for n, v in dict(
+        H=16, HV=16, K=128, V=128, BT=64, BV=args.block_v, USE_G=args.gated, USE_GK=False, USE_INITIAL_STATE=False,
+        STORE_FINAL_STATE=False, SAVE_NEW_VALUE=True, STATE_V_FIRST=False, IS_VARLEN=False).items())
+    opts = {"num_warps": args.warps, "num_stages": args.stages}
+    c = ct.compile_sm90(kernel, *ct.sm90_signature(kernel, values), opts)
     cubin = c.asm["cubin"]
     print(f"FLA forward state kernel BV {args.block_v}, {args.warps} warps, {args.stages} stages, "
           f"{'gated' if args.gated else 'no gate'}: shared {c.metadata.shared} B  {ct._resource_usage(cubin)}")
-    print(ct._instruction_mix(cubin))
     if args.sass_dump:
-        path = os.path.join(args.sass_dump, f"fla_fwd_h-bv{args.block_v}-w{args.warps}-s{args.stages}.sass")
-        with open(path, "w") as f:
-            f.write(ct._cubin_tool("nvdisasm", "-c", cubin))
-        print(f"SASS written to {path}")
+        os.environ["SASS_DUMP"] = args.sass_dump
+    ct.print_sass(f"fla_fwd_h-bv{args.block_v}", opts, cubin)
 
 
 if __name__ == "__main__":
