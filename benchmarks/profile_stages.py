@@ -92,13 +92,12 @@ def variants_for(op: str, base):
         # with both ran GDN 0.427 -> 0.340 ms and DeltaNet 0.374 -> 0.310 ms, and became the default. The names below
         # keep their session-12 meaning: each is a change to session 12's consumer ("tma-session12": 8 warps, fused,
         # scratch); a variant equal to the default is dropped at the end.
-        if base.consumer == "joint_tma":
-            out["pointer"] = base.replace(consumer="joint", consumer_cfg={"num_warps": 8}, consumer_order="fused",
-                                          column_side="scratch")
-        else:
-            out["tma"] = base.replace(consumer="joint_tma")
         s12 = base.replace(consumer="joint_tma", consumer_cfg={"num_warps": 8}, consumer_order="fused",
                            column_side="scratch")
+        if base.consumer == "joint_tma":
+            out["pointer"] = s12.replace(consumer="joint")
+        else:
+            out["tma"] = base.replace(consumer="joint_tma")
         out["tma-session12"] = s12
         w4, w4k32 = {"num_warps": 4}, {"num_warps": 4, "block_k": 32}
         for name, changes in (("tma-1stage", dict(consumer_cfg={"num_stages": 1})),

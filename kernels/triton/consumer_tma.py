@@ -25,9 +25,9 @@ registers), DeltaNet 250 → 214 registers; at 4 warps (two CTAs per SM) GDN 744
 operand dtype, reads them back transposed after a CTA barrier, and forms dk's column side as rows, Γ_qᵀ Q + Γ_rᵀ
 (eK): no fp32 dk_col round trip and no barrier per K tile. sm_90 (hints) spills nothing in either order at 8 or 4
 warps (GDN 8 warps: 254 registers, 2 856 instructions against 255, 112 B of stack and 3 176).
-"fused" with "scratch" compiles to the code timed before. Neither option is timed on a GPU yet (session 12: the
-fused order at 4 warps ran DeltaNet 4 % faster than the 8-warp default at (2, 2048, 16), GDN 10 % slower; ncu
-counted 680 K spill requests in GDN's 8-warp consumer).
+"fused" with "scratch" compiles to session 12's timed code. Timed in session 13 at (2, 2048, 16): at 8 warps
+"dq_first" was 9–14 % slower and "gamma_t" 2–7 % faster; both at 4 warps ran GDN 0.427 → 0.340 ms and DeltaNet
+0.374 → 0.310 ms, and became the cc-9.0 default (benchmarks/RESULTS.md).
 
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
