@@ -304,6 +304,12 @@ def segment_reasons(schedule: Schedule, K: int, smem_limit: int) -> list[str]:
     return reasons
 
 
+def check_default_dtype(dtype: str | None) -> None:
+    """A default is chosen per input dtype: an unknown one would silently get the 16-bit schedule."""
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} or None (16-bit), got {dtype!r}")
+
+
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
                      dtype: str | None = None, vector_gates: bool = False) -> Schedule:
     """Built-in schedule: tuned-by-hand starting point for Hopper (9, 0), a conservative generic one otherwise.
@@ -313,6 +319,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""
+    check_default_dtype(dtype)
     kk = max(16, _pow2_ceil(K))
     bk = min(64, kk)
     bv = min(64, max(16, _pow2_ceil(V)))

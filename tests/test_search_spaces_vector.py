@@ -298,6 +298,10 @@ def test_the_scalar_h200_default_by_input_dtype():
     # the dtype reaches the scalar space through the package entry point, as the op asks for it
     from rewy_tune.search_spaces import default_schedule
     assert default_schedule((9, 0), op="gdn", dtype="fp32") == scalar.default_schedule((9, 0), dtype="fp32")
+    # an unknown dtype is an error, not the 16-bit schedule
+    for op in ("gdn", "kda"):
+        with pytest.raises(ValueError, match=r"dtype must be one of \['bf16', 'fp16', 'fp32'\] or None .*'int8'"):
+            default_schedule((9, 0), op=op, dtype="int8")
 
 
 def test_the_h200_vector_defaults():
