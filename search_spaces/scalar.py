@@ -325,16 +325,18 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     bv = min(64, max(16, _pow2_ceil(V)))
     if compute_capability is not None and tuple(compute_capability) == (9, 0):
         tma = tma_rows_fit(K, V) and not vector_gates
-        # Session 13 sweep, (2, 2048, 16): the reverse scan at FLA's pick (32-wide value tiles, 3 stages) 77 -> 55 µs
-        # (GDN); with fp32 inputs its 3 stages would need more shared memory than the H200 has.
-        wide_reverse = not vector_gates and kk <= 128 and V >= 32 and dtype != "fp32"
+        # FLA's picks for both scans (32-wide value tiles; 4 stages forward, 3 reverse). Session 13 sweep,
+        # (2, 2048, 16): reverse 77 -> 55 µs (GDN). Session 14, once the forward loop matched FLA's (U added after
+        # the W·S products, S as stored): forward 55.8 -> 37.5 µs (DeltaNet), 59.7 -> 43.5 µs (GDN). With fp32
+        # inputs the stages would need more shared memory than the H200 has.
+        wide_scans = not vector_gates and kk <= 128 and V >= 32 and dtype != "fp32"
         return Schedule(
             recompute=StageConfig(bk, bv, 4, 2),
-            # Scans: 16-wide value tiles (4x the programs of BV=64) measured fastest on the H200 at K=V=128:
-            # GDN (1,8192,4) backward 0.976 -> 0.728 ms (benchmarks/RESULTS.md, stage sweep).
-            forward_scan=StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
+            # Scans otherwise: 16-wide value tiles (4x the programs of BV=64) measured fastest on the H200 at
+            # K=V=128: GDN (1,8192,4) backward 0.976 -> 0.728 ms (benchmarks/RESULTS.md, stage sweep).
+            forward_scan=StageConfig(kk, 32, 4, 4) if wide_scans else StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
             dv_local=StageConfig(min(128, kk), min(128, max(16, _pow2_ceil(V))), 4, 2),
-            reverse_scan=StageConfig(kk, 32, 4, 3) if wide_reverse else StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
+            reverse_scan=StageConfig(kk, 32, 4, 3) if wide_scans else StageConfig(kk, 16, 4, 2 if kk <= 128 else 1),
             producer=StageConfig(64, bv, 4, 2),
             # joint_tma at 4 warps (two CTAs per SM) with dq first and the column side from stored Γ tiles: nothing
             # spills (sm_90 compile with alignment hints). Session 13 sweep, (2, 2048, 16): GDN 0.427 -> 0.340 ms,

@@ -279,19 +279,22 @@ def test_the_scalar_h200_default_takes_the_descriptor_consumer_where_tma_can_add
 
 
 def test_the_scalar_h200_default_by_input_dtype():
-    # joint_tma at 4 warps with dq_first and gamma_t (session 13); the reverse scan at FLA's 32-wide, 3-stage setting
-    # with 16-bit inputs only: with fp32 tiles those 3 stages would not fit the H200's shared memory
+    # joint_tma at 4 warps with dq_first and gamma_t (session 13); both scans at FLA's 32-wide settings (forward 4
+    # stages, session 14; reverse 3, session 13) with 16-bit inputs only: with fp32 tiles those stages would not fit
+    # the H200's shared memory
     for dtype in (None, "bf16", "fp16", "fp32"):
         d = scalar.default_schedule((9, 0), dtype=dtype)
         assert (d.consumer, d.consumer_cfg.num_warps, d.consumer_order, d.column_side) == \
             ("joint_tma", 4, "dq_first", "gamma_t")
         e = "fp32" if dtype == "fp32" else "bf16"
         assert scalar.constraint(d, {"K": 128, "V": 128, "dtype": e, "compute_capability": (9, 0)}) == []
-        rs = d.reverse_scan
+        rs, fs = d.reverse_scan, d.forward_scan
         assert (rs.block_v, rs.num_stages) == ((16, 2) if dtype == "fp32" else (32, 3))
+        assert (fs.block_v, fs.num_stages) == ((16, 2) if dtype == "fp32" else (32, 4))
     wide = scalar.default_schedule((9, 0), dtype="bf16")
-    assert any("reverse_scan: shared memory" in r for r in scalar.constraint(
-        wide, {"K": 128, "V": 128, "dtype": "fp32", "compute_capability": (9, 0)}))
+    too_big = scalar.constraint(wide, {"K": 128, "V": 128, "dtype": "fp32", "compute_capability": (9, 0)})
+    assert any("reverse_scan: shared memory" in r for r in too_big)
+    assert any("forward_scan: shared memory" in r for r in too_big)
     # where TMA cannot address the rows, the pointer consumer keeps its 8 warps and the session-12 order
     p = scalar.default_schedule((9, 0), K=100, V=128)
     assert (p.consumer, p.consumer_cfg.num_warps, p.consumer_order, p.column_side) == ("joint", 8, "fused", "scratch")
@@ -312,9 +315,10 @@ def test_the_h200_vector_defaults():
         assert vector.default_schedule((9, 0), op=op, dtype="bf16") == Schedule(**vector.VECTOR_H200)
         assert vector.default_schedule((9, 0), op=op).dv_local_source == "forward"
         # the scalar-derived one, less the scalar-only descriptor consumer and its settings: the pointer consumer at
-        # 8 warps and the 16-wide reverse scan the vector default was measured with (session 11)
+        # 8 warps and the 16-wide scans the vector default was measured with (session 11)
         pointer = {"consumer": "joint", "consumer_cfg": {"num_warps": 8}, "consumer_order": "fused",
-                   "column_side": "scratch", "reverse_scan": {"block_v": 16, "num_stages": 2}}
+                   "column_side": "scratch", "reverse_scan": {"block_v": 16, "num_stages": 2},
+                   "forward_scan": {"block_v": 16, "num_stages": 2}}
         fp32 = vector.default_schedule((9, 0), op=op, dtype="fp32")
         assert fp32 == scalar.default_schedule((9, 0), dtype="fp32").replace(**pointer)
         for KV in (64, 128):
@@ -325,7 +329,8 @@ def test_the_h200_vector_defaults():
                 want = scalar.default_schedule((9, 0), K=KV, V=KV, dtype=dtype if KV != 128 else "fp32")
                 assert got == want.replace(**pointer, cumsum={"block_k": min(64, KV)})
         assert vector.default_schedule((9, 0), K=256, V=256, op=op) == scalar.default_schedule(
-            (9, 0), K=256, V=256).replace(**{**pointer, "reverse_scan": {"block_v": 16, "num_stages": 1}})
+            (9, 0), K=256, V=256).replace(**{**pointer, "reverse_scan": {"block_v": 16, "num_stages": 1},
+                                             "forward_scan": {"block_v": 16, "num_stages": 1}})
     assert vector.default_schedule((8, 0), op="gdn2") == vector.default_schedule((8, 0), op="kda")
     assert vector.default_schedule(None, op="gdn2").dv_local_source == "recompute"
 
