@@ -120,8 +120,11 @@ def variants_for(op: str, base):
     # 3 (reverse); compiled with a GPU launch's alignment hints the two forward kernels are alike at equal settings.
     # What is left to time is the pipeline depth. Session 13 (call 2): the reverse scan at BV 32, 3 stages ran 77 -> 55 µs
     # (GDN) and 73 -> 50 µs (DeltaNet), now the 16-bit default; the forward scan gained nothing from 3-4 stages or BV 32.
+    # Session 14 (call 2), once the forward loop matched FLA's: forward BV 32 with 4 stages 55.8 -> 37.5 µs (DeltaNet),
+    # 59.7 -> 43.5 µs (GDN), the 16-bit default since; it made (1, 2048, 16) slower (the split rule now splits it).
     for name, fwd, bwd in (("fscan-s3", {"num_stages": 3}, None), ("fscan-s4", {"num_stages": 4}, None),
                            ("fscan-bv32-s4", {"block_v": 32, "num_stages": 4}, None),
+                           ("fscan-bv16-s2", {"block_v": 16, "num_stages": 2}, None),  # session 13's forward scan
                            ("bscan-s3", None, {"num_stages": 3}),
                            ("bscan-bv32-s3", None, {"block_v": 32, "num_stages": 3}),
                            ("bscan-bv16-s2", None, {"block_v": 16, "num_stages": 2}),  # session 12's reverse scan
