@@ -28,7 +28,10 @@ consumer: "fused" forms Q̄_g, Ē_dir and K̄_t in one V pass, then dq and dk; "
 and finishes dq and dk's column side before forming Ē_dir and K̄_t (fewer live registers, S0 and Q, K read twice).
 ``column_side`` is read only by joint_tma too: "scratch" forms dk's column side Qᵀ Γ_q + (eK)ᵀ Γ_r as columns per K
 tile and turns it into rows through an fp32 scratch and a CTA barrier; "gamma_t" stores Γ_q, Γ_r once per chunk,
-reads them back transposed and forms the rows Γ_qᵀ Q + Γ_rᵀ (eK) directly.
+reads them back transposed and forms the rows Γ_qᵀ Q + Γ_rᵀ (eK) directly. ``p_tiles`` is read only by joint_tma
+as well: "recompute" forms P = AᵀR̄ again in every K tile of phase 2 (one more product per V tile); "stored" writes
+P's tiles in the operand dtype to a per-chunk scratch in phase 1 and reads them back there (the same values: phase 2
+uses P only as a product operand, cast to that dtype).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 CONSUMER_MODES = ("joint", "separate", "joint_tma")
 CONSUMER_ORDERS = ("fused", "dq_first")
 COLUMN_SIDES = ("scratch", "gamma_t")
+P_TILES = ("recompute", "stored")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -119,6 +123,7 @@ class Schedule:
     consumer_order: str = "fused"  # joint_tma's phase 2: one V pass for its three products, or dq (and dk's
     # column side) first, then Ē_dir and K̄_t: two [C, BK] accumulators live instead of three
     column_side: str = "scratch"  # joint_tma's dk column side: fp32 scratch per K tile, or rows from Γᵀ ("gamma_t")
+    p_tiles: str = "recompute"  # joint_tma's P in phase 2: recomputed per K tile, or "stored" in phase 1 and read back
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -139,7 +144,7 @@ class Schedule:
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
                               ("intra_precision", INTRA_PRECISIONS),
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
-                              ("column_side", COLUMN_SIDES)):
+                              ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

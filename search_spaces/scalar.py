@@ -35,7 +35,7 @@ SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
-TMA_ONLY_FIELDS = ("consumer_order", "column_side")
+TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
@@ -71,6 +71,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "consumer": ["joint", "separate", "joint_tma"],
         "consumer_order": ["fused", "dq_first"],
         "column_side": ["scratch", "gamma_t"],
+        "p_tiles": ["recompute", "stored"],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
         "intra": ["auto"],

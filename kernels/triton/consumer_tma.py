@@ -29,6 +29,12 @@ warps (GDN 8 warps: 254 registers, 2 856 instructions against 255, 112 B of stac
 "dq_first" was 9–14 % slower and "gamma_t" 2–7 % faster; both at 4 warps ran GDN 0.427 → 0.340 ms and DeltaNet
 0.374 → 0.310 ms, and became the cc-9.0 default (benchmarks/RESULTS.md).
 
+``Schedule.p_tiles == "stored"`` (``store_p=True``): phase 1 writes each P = AᵀR̄ tile, cast to the operand dtype,
+into a per-chunk [C, V] scratch (the size of v), and phase 2 reads those tiles back (after the CTA barrier that
+"gamma_t" already takes) instead of forming P again in every K tile: per chunk one [C, C] × [C, BV] product and one
+R̄ tile load fewer per (K tile, V tile) pair, and Aᵀ need not stay live through phase 2. Phase 2 uses P only as a
+product operand in that dtype, so the results are the same bits. Not yet timed on the H200.
+
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
 and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.
@@ -51,6 +57,12 @@ from .recompute import mm as _mma
 def _tile(desc, i_b, t0, i_h, col, BT: tl.constexpr, BD: tl.constexpr):
     """The [BT, BD] tile at rows t0.. and columns col.. of head (i_b, i_h) of a [B, T, H, D] descriptor."""
     return desc.load([i_b, t0, i_h, col]).reshape(BT, BD)
+
+
+@triton.jit
+def _p_tile(pst, i_v, BT: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Block pointer to P's i_v-th [BT, BV] tile in this chunk's [BT, V] scratch (p_tiles "stored")."""
+    return tl.make_block_ptr(pst, (BT, V), (V, 1), (0, i_v * BV), (BT, BV), (1, 0))
 
 
 @triton.jit
@@ -92,17 +104,20 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, gbar, derase, dwrite,
+    G, erase, write, dk_col, gam, pst, gbar, derase, dwrite,
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
+    STORE_P: tl.constexpr,
 ):
     i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
     i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
     bos = (i_b * T * H + i_h).to(tl.int64)
     if not GAMMA_T:
         dk_col += bos * K
+    if STORE_P:
+        pst += i_s.to(tl.int64) * BT * V
     DT = k_d.dtype
 
     b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
@@ -126,6 +141,8 @@ def rewy_bwd_kernel_consumer_tma(
         b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
         b_dwr += tl.sum(_tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV).to(tl.float32) * b_p, axis=1)
         dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
+        if STORE_P:  # phase 2 reads these back instead of forming P again per K tile
+            tl.store(_p_tile(pst, i_v, BT, V, BV), b_p.to(DT), boundary_check=(1,))
 
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_D = tl.where(m_lt, -b_D, 0.0)
@@ -137,7 +154,9 @@ def rewy_bwd_kernel_consumer_tma(
         o_c = tl.arange(0, BT)
         tl.store(gam + o_i[:, None] * BT + o_c[None, :], b_gq)
         tl.store(gam + BT * BT + o_i[:, None] * BT + o_c[None, :], b_gr)
-        tl.debug_barrier()
+    if GAMMA_T or STORE_P:
+        tl.debug_barrier()  # the scratch tiles are read back by other threads of this CTA
+    if GAMMA_T:
         b_gqt = tl.load(tl.make_block_ptr(gam, (BT, BT), (1, BT), (0, 0), (BT, BT), (0, 1)))
         b_grt = tl.load(tl.make_block_ptr(gam + BT * BT, (BT, BT), (1, BT), (0, 0), (BT, BT), (0, 1)))
 
@@ -169,7 +188,10 @@ def rewy_bwd_kernel_consumer_tma(
             b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
             if not SPLIT_DQ:
                 b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
-            b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
+            if STORE_P:
+                b_p = tl.load(_p_tile(pst, i_v, BT, V, BV), boundary_check=(1,))
+            else:
+                b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
             b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)  # rows past K read as zero
             b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
             if USE_G:
@@ -224,9 +246,10 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False):
+                 one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
-    phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ (module docstring)."""
+    phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
+    kept from phase 1 for phase 2 (module docstring)."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -244,6 +267,8 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         dk_col, gam = None, torch.empty(B * NT * H, 2, C, C, dtype=k.dtype, device=q.device)
     else:
         dk_col, gam = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device), None
+    # P per chunk in the operand dtype: the size of v, not kept past this call
+    pst = torch.empty(B * NT * H, C, V, dtype=k.dtype, device=q.device) if store_p else None
     gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
@@ -253,9 +278,9 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
         TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
         _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV),
-        G, erase, write, dk_col, gam, gbar, derase, dwrite,
+        G, erase, write, dk_col, gam, pst, gbar, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), num_warps=num_warps, num_stages=num_stages,
+        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv, gbar, derase, dwrite

@@ -37,6 +37,8 @@ OTHERS = {
     "tma-bk16-bv32": BASE.replace(consumer="joint_tma", consumer_cfg={"block_k": 16, "block_v": 32}),
     "tma-dq-first": BASE.replace(consumer="joint_tma", consumer_order="dq_first", consumer_cfg={"block_k": 16}),
     "tma-gamma-t": BASE.replace(consumer="joint_tma", column_side="gamma_t", consumer_cfg={"block_k": 16}),
+    "tma-p-stored": BASE.replace(consumer="joint_tma", consumer_order="dq_first", column_side="gamma_t",
+                                 p_tiles="stored", consumer_cfg={"block_k": 16}),
 }
 
 
@@ -185,22 +187,24 @@ def _consumer_args(gate, dtype, B=1, T=100, H=2, K=32, V=64, C=64):
     return q, k, v, G, e, w, A, R, Rbar, S0, dS1, do
 
 
-@pytest.mark.parametrize("dq_first, gamma_t", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dq_first, gamma_t, store_p", [(False, False, False), (True, False, False),
+                                                       (False, True, False), (True, True, False),
+                                                       (False, False, True), (True, True, True)])
 @pytest.mark.parametrize("one_beta", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", [True, False])
-def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, gamma_t):
+def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, gamma_t, store_p):
     # The descriptor kernel computes the pointer kernel's products (in its order, or "dq_first": dq and dk's column
-    # side before Ē_dir and K̄_t): on the interpreter the two agree to fp32 rounding (numpy may pick another
-    # summation order for a transposed operand view; measured ≤ 3e-8), tail chunk (T = 100), several K and V
-    # tiles and K ≠ V included.
+    # side before Ē_dir and K̄_t; with P's tiles kept from phase 1 or formed again): on the interpreter the two agree
+    # to fp32 rounding (numpy may pick another summation order for a transposed operand view; measured ≤ 3e-8),
+    # tail chunk (T = 100), several K and V tiles and K ≠ V included.
     from rewy_tune.kernels.triton.consumer_tma import consumer_tma
     from rewy_tune.kernels.triton.local import consumer
 
     args = _consumer_args(gate, dtype)
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32, one_beta=one_beta)
     ours = consumer(*args, **kw)
-    tma = consumer_tma(*args, **kw, dq_first=dq_first, gamma_t=gamma_t)
+    tma = consumer_tma(*args, **kw, dq_first=dq_first, gamma_t=gamma_t, store_p=store_p)
     for name, a, b in zip(("dq", "dk", "dv", "gbar", "d_erase", "d_write"), ours, tma):
         assert (a is None) == (b is None), name
         if a is not None:
@@ -240,21 +244,23 @@ def test_no_initial_state_no_dht(op):
     assert_gates(out, oracle(x), ctx=f"{op} no h0/dht")
 
 
-@pytest.mark.parametrize("name", ["separate-fp32-bk16", "tma-bk16-bv32", "tma-dq-first", "tma-gamma-t"])
+@pytest.mark.parametrize("name", ["separate-fp32-bk16", "tma-bk16-bv32", "tma-dq-first", "tma-gamma-t", "tma-p-stored"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_beta_zero(op, name):
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=5, beta_zero=True)
     assert_gates(run_triton(x, OTHERS[name]), oracle(x), ctx=f"{op} beta zero {name}")
 
 
-@pytest.mark.parametrize("consumer, order, column", [("joint", "fused", "scratch"), ("joint_tma", "fused", "scratch"),
-                                                   ("joint_tma", "dq_first", "scratch"),
-                                                   ("joint_tma", "dq_first", "gamma_t")])
-def test_strong_decay_gdn(consumer, order, column):
+@pytest.mark.parametrize("consumer, order, column, p_tiles", [("joint", "fused", "scratch", "recompute"),
+                                                            ("joint_tma", "fused", "scratch", "recompute"),
+                                                            ("joint_tma", "dq_first", "scratch", "recompute"),
+                                                            ("joint_tma", "dq_first", "gamma_t", "recompute"),
+                                                            ("joint_tma", "fused", "scratch", "stored")])
+def test_strong_decay_gdn(consumer, order, column, p_tiles):
     # g ≈ logsigmoid(N)·4: chunk gate ranges far past exp's fp32 range if Λ were split into exp(G_i)·exp(−G_j).
     x = make_inputs("gdn", 1, 128, 1, 32, 32, seed=11, gate_div=0.25)
-    s = BASE.replace(consumer=consumer, consumer_order=order, column_side=column)
-    assert_gates(run_triton(x, s), oracle(x), ctx=f"gdn strong decay {consumer} {order} {column}")
+    s = BASE.replace(consumer=consumer, consumer_order=order, column_side=column, p_tiles=p_tiles)
+    assert_gates(run_triton(x, s), oracle(x), ctx=f"gdn strong decay {consumer} {order} {column} {p_tiles}")
 
 
 def test_single_partial_chunk():
@@ -283,11 +289,13 @@ FIELD_CHANGES = {
     "scan_split_waves": 1,  # a limit on the split: its effect is asserted in test_split_waves_limit_the_split
     "consumer_order": "dq_first",  # read by joint_tma: paired with it below
     "column_side": "gamma_t",  # read by joint_tma: paired with it below
+    "p_tiles": "stored",  # read by joint_tma: paired with it below
 }
 
 
 # fields read by one consumer only: changed on a base that runs it
-READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma"}
+READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
+           "p_tiles": "joint_tma"}
 
 
 def test_field_changes_cover_schedule():
@@ -389,9 +397,12 @@ def test_schedule_json_roundtrip_and_validation():
         BASE.replace(consumer_order="joint")
     with pytest.raises(ValueError, match=r"column_side must be one of \('scratch', 'gamma_t'\)"):
         BASE.replace(column_side="rows")
+    with pytest.raises(ValueError, match=r"p_tiles must be one of \('recompute', 'stored'\)"):
+        BASE.replace(p_tiles="kept")
     # a schedule stored before these fields existed reads as the timed code
-    old = {k: v for k, v in BASE.to_dict().items() if k not in ("consumer_order", "column_side")}
+    old = {k: v for k, v in BASE.to_dict().items() if k not in ("consumer_order", "column_side", "p_tiles")}
     assert Schedule.from_dict(old).consumer_order == "fused" and Schedule.from_dict(old).column_side == "scratch"
+    assert Schedule.from_dict(old).p_tiles == "recompute"
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):
@@ -462,13 +473,14 @@ def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", [(2, 2048, 16), (1, 1000, 4)])
 def test_gpu_tma_dq_first_bf16(op, B, T, H):
-    # joint_tma's "dq_first" phase-2 order at 8 and 4 warps (4: two CTAs per SM)
+    # joint_tma's "dq_first" phase-2 order at 8 and 4 warps (4: two CTAs per SM), and P's tiles kept from phase 1
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
-    for warps, column in ((8, "scratch"), (4, "scratch"), (8, "gamma_t")):
+    for warps, column, p_tiles in ((8, "scratch", "recompute"), (4, "scratch", "recompute"),
+                                   (8, "gamma_t", "recompute"), (4, "gamma_t", "stored")):
         s = _gpu_default().replace(consumer="joint_tma", consumer_order="dq_first", column_side=column,
-                                   consumer_cfg={"num_warps": warps})
-        assert_bf16(run_triton(x, s), ref, f"gpu {op} {B},{T},{H} joint_tma dq_first {column} {warps} warps")
+                                   p_tiles=p_tiles, consumer_cfg={"num_warps": warps})
+        assert_bf16(run_triton(x, s), ref, f"gpu {op} {B},{T},{H} joint_tma dq_first {column} {p_tiles} {warps} warps")
 
 
 @pytest.mark.gpu
@@ -667,15 +679,18 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     sig.update({"G": "*fp32", "erase": p, "write": p, "gbar": "*fp32", "derase": p, "dwrite": p})
     sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
     sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ",
-                                         "GAMMA_T")})
-    for use_g, split, gamma_t, nw in ((True, False, False, 8), (False, False, False, 8), (True, True, False, 8),
-                                      (True, True, False, 4), (True, False, True, 8), (False, True, True, 4)):
-        # the column-side scratch is one of two buffers: the other is passed as None (a constexpr)
-        sig_g = {**sig, "dk_col": "constexpr" if gamma_t else "*fp32", "gam": p if gamma_t else "constexpr"}
+                                         "GAMMA_T", "STORE_P")})
+    for use_g, split, gamma_t, store_p, nw in ((True, False, False, False, 8), (False, False, False, False, 8),
+                                               (True, True, False, False, 8), (True, True, False, False, 4),
+                                               (True, False, True, False, 8), (False, True, True, False, 4),
+                                               (True, True, True, True, 4), (False, False, False, True, 8)):
+        # the column-side scratch is one of two buffers: the other is passed as None (a constexpr); so is P's
+        sig_g = {**sig, "dk_col": "constexpr" if gamma_t else "*fp32", "gam": p if gamma_t else "constexpr",
+                 "pst": p if store_p else "constexpr"}
         compile_(consumer_tma.rewy_bwd_kernel_consumer_tma, sig_g,
                  {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "PREC": "tf32",
-                  "ONE_BETA": use_g, "SPLIT_DQ": split, "GAMMA_T": gamma_t,
-                  **({"dk_col": None} if gamma_t else {"gam": None})}, nw)
+                  "ONE_BETA": use_g, "SPLIT_DQ": split, "GAMMA_T": gamma_t, "STORE_P": store_p,
+                  **({"dk_col": None} if gamma_t else {"gam": None}), **({} if store_p else {"pst": None})}, nw)
 print("compiled")
 """
 
