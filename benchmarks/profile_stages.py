@@ -136,6 +136,9 @@ def variants_for(op: str, base):
     # and a default without that limit (waves 0: always split) under it. Since session 11 every H200 default uses
     # waves 2, so "waves2" appears only for other bases.
     out["unsplit"] = base.replace(forward_scan_segments=1, reverse_scan_segments=1)
+    # Session 14: with 32-wide forward tiles B·H = 16 gives 64 programs and the rule splits the forward scan, which
+    # made (1, 2048, 16) slower; this isolates the forward split (the reverse scan keeps its own)
+    out["fscan-unsplit"] = base.replace(forward_scan_segments=1)
     if base.scan_split_waves != 2:
         out["waves2"] = base.replace(scan_split_waves=2)
     return {name: s for name, s in out.items() if name == "default" or s != base}
