@@ -4,7 +4,9 @@ Forward:
 - CUDA: fla-core 0.6.0's Triton forward pieces. Policy R keeps what FLA itself keeps (A = M^{-1} in the
   input dtype); policy A also keeps the per-chunk entering states h (= S0, [B,NT,H,K,V], input dtype) and
   v_new (= R, the corrections u − w h before gating), which FLA computes in its forward anyway but, for
-  DeltaNet/GDN, drops (FLA has no save-all switch for these two operators).
+  DeltaNet/GDN, drops (FLA has no save-all switch for these two operators); with ``schedule.w_source ==
+  "forward"`` also w (W = A E, [B,T,H,K] in the input dtype), as FLA's own save-all keeps it, so the backward runs
+  no recompute stage.
     DeltaNet: `prepare_wy_repr_fwd(k, v, beta)` -> (w, u, A); `chunk_gated_delta_rule_fwd_h(k, w, u, g=None,
               initial_state)` -> (h, v_new, final_state); `chunk_fwd_o(q, k, v_new, h, g=None, scale)` -> o.
     GDN:      `chunk_local_cumsum(g, scale=RCP_LN2)` -> G·log2(e) (fp32); `chunk_gated_delta_rule_fwd_intra(k, v,
@@ -56,8 +58,8 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None)
 
 def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state):
     """KDA (erase is write, [B,T,H]) / GDN2 (b [B,T,H,K], w [B,T,H,V]) through fla-core's chunk_kda_fwd /
-    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk); policy A uses their
-    disable_recompute path, which keeps h and v_new (policy R: None, None). Aqk (out[3]) is FLA's A_qk: see
+    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk, W = w); policy A uses their
+    disable_recompute path, which keeps h, v_new and w (policy R: None for the three). Aqk (out[3]) is FLA's A_qk: see
     kernels/triton/vector_local.py (dv_local_aqk) for its convention."""
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   chunk_size=chunk_size, disable_recompute=policy == "A")
@@ -69,14 +71,14 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
         from fla.ops.gdn2.chunk_fwd import chunk_gdn2_fwd
 
         out = chunk_gdn2_fwd(q=q, k=k, v=v, g=g, b=erase, w_gate=write, **common)
-    o, final_state, Aqk, Akk, v_new, h = out[0], out[1], out[3], out[4], out[9], out[10]
+    o, final_state, Aqk, Akk, w, v_new, h = out[0], out[1], out[3], out[4], out[5], out[9], out[10]
     if policy == "A":
-        return o, final_state, Akk, h, v_new, Aqk
-    return o, final_state, Akk, None, None, Aqk
+        return o, final_state, Akk, h, v_new, Aqk, w
+    return o, final_state, Akk, None, None, Aqk, None
 
 
 def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, output_final_state):
-    """(o, final_state, A, S0, R) through fla-core's forward kernels; S0/R None under policy R."""
+    """(o, final_state, A, S0, R, W) through fla-core's forward kernels; S0, R, W (= w) None under policy R."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
 
@@ -97,8 +99,8 @@ def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, out
         chunk_size=chunk_size)
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_log2, scale=scale, chunk_size=chunk_size)
     if policy == "A":
-        return o, final_state, A, h, v_new
-    return o, final_state, A, None, None
+        return o, final_state, A, h, v_new, w
+    return o, final_state, A, None, None, None
 
 
 class RewyTritonFunction(torch.autograd.Function):
@@ -136,29 +138,30 @@ class RewyTritonFunction(torch.autograd.Function):
             if erase.dim() == 3 and erase.data_ptr() != write.data_ptr():
                 raise ValueError("on CUDA, KDA takes one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None
-            o, final_state, A, S0, R, Aqk = _fla_forward_vector(q, k, v, g, erase, write, h0, scale, chunk_size,
-                                                                policy, output_final_state)
+            o, final_state, A, S0, R, Aqk, W = _fla_forward_vector(q, k, v, g, erase, write, h0, scale,
+                                                                   chunk_size, policy, output_final_state)
         elif q.is_cuda:
             if erase.data_ptr() != write.data_ptr() or erase.shape != write.shape:
                 raise ValueError("on CUDA, DeltaNet/GDN take one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None
-            o, final_state, A, S0, R = _fla_forward(q, k, v, g, erase, h0, scale, chunk_size, policy,
-                                                    output_final_state)
+            o, final_state, A, S0, R, W = _fla_forward(q, k, v, g, erase, h0, scale, chunk_size, policy,
+                                                       output_final_state)
         else:
             from rewy_tune.kernels.reference.chunk_forward import chunk_forward
 
             fwd = chunk_forward(q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
                                 chunk_size=chunk_size, save_states=policy == "A")
-            o, final_state, A, S0, R, Aqk = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R, fwd.Aqk
+            o, final_state, A, S0, R, Aqk, W = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R, fwd.Aqk, fwd.W
         Aqk = Aqk if keep_aqk else None  # saved only when the schedule's dv_local reads it
-        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk)
+        W = W if schedule.w_source == "forward" else None  # policy A only (None under R)
+        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W)
         ctx.scale, ctx.schedule = scale, schedule
         ctx.set_materialize_grads(False)
         return o, (final_state if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk = ctx.saved_tensors
+        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.to(v.dtype)
         h0 = initial_state.float() if initial_state is not None else None
         # DeltaNet/GDN's one β passed as erase and write: its gradient in one buffer (autograd sums the two slots)
@@ -166,7 +169,7 @@ class RewyTritonFunction(torch.autograd.Function):
                     and erase.data_ptr() == write.data_ptr())
         dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
             q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
-            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta)
+            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W)
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, dg, d_erase, d_write, dh0, None, None, None, None, None

@@ -31,7 +31,10 @@ tile and turns it into rows through an fp32 scratch and a CTA barrier; "gamma_t"
 reads them back transposed and forms the rows Γ_qᵀ Q + Γ_rᵀ (eK) directly. ``p_tiles`` is read only by joint_tma
 as well: "recompute" forms P = AᵀR̄ again in every K tile of phase 2 (one more product per V tile); "stored" writes
 P's tiles in the operand dtype to a per-chunk scratch in phase 1 and reads them back there (the same values: phase 2
-uses P only as a product operand, cast to that dtype).
+uses P only as a product operand, cast to that dtype). ``w_source`` is read by the autograd Function under policy A
+only: "recompute" rebuilds W = A E in the backward's recompute stage (as policy R must); "forward" keeps the
+forward's W (FLA's ``w``, which FLA's own save-all backward keeps too) with S0 and R, and the backward runs no
+recompute stage.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ CONSUMER_MODES = ("joint", "separate", "joint_tma")
 CONSUMER_ORDERS = ("fused", "dq_first")
 COLUMN_SIDES = ("scratch", "gamma_t")
 P_TILES = ("recompute", "stored")
+W_SOURCES = ("recompute", "forward")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -124,6 +128,7 @@ class Schedule:
     # column side) first, then Ē_dir and K̄_t: two [C, BK] accumulators live instead of three
     column_side: str = "scratch"  # joint_tma's dk column side: fp32 scratch per K tile, or rows from Γᵀ ("gamma_t")
     p_tiles: str = "recompute"  # joint_tma's P in phase 2: recomputed per K tile, or "stored" in phase 1 and read back
+    w_source: str = "recompute"  # policy A: W recomputed in the backward, or kept from the "forward"
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -144,7 +149,8 @@ class Schedule:
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
                               ("intra_precision", INTRA_PRECISIONS),
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
-                              ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES)):
+                              ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES),
+                              ("w_source", W_SOURCES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

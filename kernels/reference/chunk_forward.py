@@ -29,6 +29,7 @@ class ChunkForward:
     A: torch.Tensor  # M^{-1} in FLA layout [B,T,H,C], working dtype; columns past a chunk's length are 0
     S0: torch.Tensor | None = None  # policy A: state entering each chunk [B,NT,H,K,V]
     R: torch.Tensor | None = None  # policy A: corrections (v_new) [B,T,H,V]
+    W: torch.Tensor | None = None  # policy A: W = A E [B,T,H,K] in k's dtype (FLA's w, which its save-all keeps)
     # A_qk in fla-core 0.6.0's Aqk convention (what chunk_kda_fwd / chunk_gdn2_fwd return as out[3]): [B,T,H,C] in
     # k's dtype, row t = query i of its chunk, column c = key j = c of the same chunk, scale folded in,
     # Aqk[t, c] = s Σ_f q_if k_jf exp(G_if − G_jf) for j ≤ i (diagonal included), G the natural-log chunk cumsum.
@@ -110,7 +111,7 @@ def invert_unit_lower(L: torch.Tensor) -> torch.Tensor:
 def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, chunk_size=64,
                   save_states=False) -> ChunkForward:
     """Chunkwise forward. Shapes as in :func:`rewy_tune.kernels.reference.recurrence.recurrent_delta`.
-    ``save_states=True`` (policy A) also keeps the per-chunk entering states S0 and the corrections R."""
+    ``save_states=True`` (policy A) also keeps the per-chunk entering states S0, the corrections R and W."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -125,7 +126,7 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
     O = Q.new_empty(B, H, T, V)
     A_all = Q.new_zeros(B, H, T, C)
     Aqk_all = Q.new_zeros(B, H, T, C)
-    S0_all, R_all = [], []
+    S0_all, R_all, W_all = [], [], []
     for sl in chunk_slices(T, C):
         n = sl.stop - sl.start
         Qc, Kc, Vc, ec, wc, Gc = Q[:, :, sl], Kh[:, :, sl], Vh[:, :, sl], e[:, :, sl], w[:, :, sl], G[:, :, sl]
@@ -142,6 +143,7 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
         Aqk_all[:, :, sl, :n] = Aqk
         S0_all.append(S)
         R_all.append(R)
+        W_all.append(W)
         S = gamma_n.transpose(-1, -2) * S + (Kc * tau).transpose(-1, -2) @ R
 
     return ChunkForward(
@@ -151,5 +153,6 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
         A=A_all.transpose(1, 2),
         S0=torch.stack(S0_all, dim=1) if save_states else None,
         R=torch.cat(R_all, dim=2).transpose(1, 2) if save_states else None,
+        W=torch.cat(W_all, dim=2).transpose(1, 2).to(k.dtype) if save_states else None,
         Aqk=Aqk_all.transpose(1, 2).to(k.dtype),
     )

@@ -13,7 +13,8 @@ recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segm
 reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
 (joint_tma: `consumer_tma.py`, with consumer_order, column_side and p_tiles); cumsum → chunk_cumsum /
 reverse_chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly
-(and recompute A_qk in dv_local).
+(and recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
+policy A with "forward" it passes the forward's W here and recompute_wu does not run.
 """
 
 from __future__ import annotations
@@ -95,13 +96,14 @@ def _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedu
 
 
 def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                         S0=None, R=None, G=None, Aqk=None, one_beta=False):
+                         S0=None, R=None, G=None, Aqk=None, one_beta=False, W=None):
     """ReWY backward of DeltaNet (g None) / GDN (g [B,T,H]) on Triton.
 
     q, k [B,T,H,K]; v, do [B,T,H,V] (one dtype: fp16/bf16/fp32); g, erase, write [B,T,H]; A = M^{-1}
     [B,T,H,chunk_size] (any float dtype, e.g. FLA's bf16 or the reference's fp32); dht, initial_state None or
     [B,H,K,V]; S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A (None: policy R recomputes them); G the
-    natural-log chunk cumsum of g (None: computed here). Non-contiguous tensors are made contiguous.
+    natural-log chunk cumsum of g (None: computed here); W [B,T,H,K] in k's dtype, policy A only: the forward's
+    W = A E (FLA's w), so no recompute stage runs (None: recomputed). Non-contiguous tensors are made contiguous.
 
     Returns (dq, dk, dv, dg, d_erase, d_write, dh0): dq, dk, dv in q's dtype; dg in g's dtype (None without a
     gate); d_erase, d_write in erase's / write's dtypes (the erase and write paths of β, returned apart);
@@ -123,10 +125,10 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
                              "'separate'")
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
-                                           Aqk=Aqk)
+                                           Aqk=Aqk, W=W)
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
-                      schedule=schedule, S0=S0, R=R, G=G, dv_local=run_dv_local,
+                      schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=run_dv_local,
                       consumer=functools.partial(_scalar_consumer, tma=schedule.consumer == "joint_tma",
                                                  dq_first=schedule.consumer_order == "dq_first",
                                                  gamma_t=schedule.column_side == "gamma_t",
@@ -144,14 +146,20 @@ def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: 
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
-               dv_local, consumer):
+               dv_local, consumer, W=None):
     """The stage order shared by every operator; the gate type only picks the two local stages.
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages)` and
     `consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale, P, D, chunk_size, BK, BV,
     num_warps, num_stages) -> (dq, dk, dv, Ḡ, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
-    Inputs are checked by the caller.
+    Inputs are checked by the caller, but for W (policy A's forward W), checked here for both gate kinds.
     """
+    if W is not None:
+        if S0 is None:
+            raise ValueError("W (the forward's w) comes with policy A: pass S0 and R with it")
+        if tuple(W.shape) != tuple(k.shape) or W.dtype != k.dtype or W.device != k.device:
+            raise ValueError(f"W must be [B,T,H,K]={tuple(k.shape)} in k's dtype {k.dtype} on {k.device}, got "
+                             f"{tuple(W.shape)} in {W.dtype} on {W.device}")
     q, k, v, A, do = (t.contiguous() for t in (q, k, v, A, do))
     erase, write = erase.contiguous(), write.contiguous()
     dht = dht.contiguous() if dht is not None else None
@@ -169,8 +177,12 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
 
     split_limit = split_program_limit(sc.scan_split_waves, k.device)
     rc = sc.recompute
-    W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
-                        num_warps=rc.num_warps, num_stages=rc.num_stages)
+    if W is None:
+        # policy A brings R = U − W S0 from the forward: only W is needed (the reverse scan's −WᵀR̄)
+        W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
+                            num_warps=rc.num_warps, num_stages=rc.num_stages, want_u=S0 is None)
+    else:  # schedule.w_source "forward": the forward's W, no recompute stage
+        W, U = W.contiguous(), None
     if S0 is None:
         fs = sc.forward_scan
         S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,

@@ -87,7 +87,7 @@ def rewy_recompute_wu_kernel(
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_ERASE: tl.constexpr, ERASE_VEC: tl.constexpr,
-    HAS_WRITE: tl.constexpr, WRITE_VEC: tl.constexpr, PREC: tl.constexpr,
+    HAS_WRITE: tl.constexpr, WRITE_VEC: tl.constexpr, PREC: tl.constexpr, WANT_U: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -123,6 +123,14 @@ def rewy_recompute_wu_kernel(
         b_w = mm(b_a, b_x.to(b_a.dtype), PREC)
         tl.store(W + p_k, b_w.to(W.dtype.element_ty), mask=m_k)
 
+    if WANT_U:
+        _recompute_u(v, write, U, b_a, tok, m_row, V, BV, HAS_WRITE, WRITE_VEC, PREC)
+
+
+@triton.jit
+def _recompute_u(v, write, U, b_a, tok, m_row, V: tl.constexpr, BV: tl.constexpr, HAS_WRITE: tl.constexpr,
+                 WRITE_VEC: tl.constexpr, PREC: tl.constexpr):
+    # U = A (ω ⊙ V), one [BT, BV] column tile at a time (b_a: the chunk's A, masked past T)
     if HAS_WRITE and not WRITE_VEC:
         b_om = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
     for i_v in tl.static_range(0, (V + BV - 1) // BV):
@@ -152,8 +160,10 @@ def recompute_wu(
     BV: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """W = A (e ⊙ K ⊙ γ) and U = A (ω ⊙ V) per chunk, in k's dtype.
+    want_u: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W = A (e ⊙ K ⊙ γ) and U = A (ω ⊙ V) per chunk, in k's dtype; want_u=False: W only (U None), for policy A,
+    whose forward already gave the backward R = U − W S0.
 
     k [B,T,H,K]; v [B,T,H,V]; G None | [B,T,H] | [B,T,H,K] (fp32 chunk-local cumsum, natural log);
     erase None | [B,T,H] | [B,T,H,K]; write None | [B,T,H] | [B,T,H,V] (None means 1); A [B,T,H,chunk_size].
@@ -179,14 +189,14 @@ def recompute_wu(
     erase = erase.contiguous() if erase is not None else None
     write = write.contiguous() if write is not None else None
     W = torch.empty_like(k)
-    U = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device)
+    U = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device) if want_u else None
     NT = triton.cdiv(T, chunk_size)
     rewy_recompute_wu_kernel[(NT, B * H)](
         k, v, G, erase, write, A, W, U, T,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         GATE=gk, HAS_ERASE=erase is not None, ERASE_VEC=erase is not None and erase.dim() == 4,
         HAS_WRITE=write is not None, WRITE_VEC=write is not None and write.dim() == 4,
-        PREC=dot_precision(k.dtype),
+        PREC=dot_precision(k.dtype), WANT_U=want_u,
         num_warps=num_warps, num_stages=num_stages,
     )
     return W, U

@@ -561,14 +561,15 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
 # The whole vector-gate backward
 # --------------------------------------------------------------------------------------------------
 def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                                S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None):
+                                S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None, W=None):
     """ReWY backward of KDA (erase = write = β [B,T,H]) / GDN2 (erase b [B,T,H,K], write w [B,T,H,V]) on Triton.
 
     Same contract as ``pipeline.rewy_backward_triton``: q, k [B,T,H,K]; v, do [B,T,H,V] (fp16/bf16/fp32);
     g [B,T,H,K] natural-log gate; A = M^{-1} [B,T,H,chunk_size]; dht, initial_state None or [B,H,K,V];
     S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A; G the chunk cumsum of g (None: computed here); Aqk the
     forward's A_qk [B,T,H,chunk_size] in q's dtype (FLA's Aqk convention), required when
-    ``schedule.dv_local_source == "forward"`` and not read otherwise.
+    ``schedule.dv_local_source == "forward"`` and not read otherwise; W the forward's W for policy A (None:
+    recomputed).
     ``intra_paths``: optional dict; receives ``"flags"``, the consumer's int32 per-tile path flags (1 centred,
     2 sub-chunk), with no host synchronisation.
 
@@ -620,4 +621,4 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
         return grads
 
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
-                      schedule=schedule, S0=S0, R=R, G=G, dv_local=dv_local, consumer=consumer)
+                      schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=dv_local, consumer=consumer)

@@ -95,6 +95,8 @@ def run_triton(x, schedule, policy="R"):
     fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=scale, initial_state=x["h0"],
                         chunk_size=schedule.chunk_size, save_states=policy == "A")
     kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
+    if policy == "A" and schedule.w_source == "forward":  # as the autograd Function passes it
+        kw["W"] = fwd.W
     out = rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], fwd.A, x["do"], x["dht"],
                                scale=scale, initial_state=x["h0"], schedule=schedule, **kw)
     return dict(zip(NAMES, out))
@@ -290,12 +292,15 @@ FIELD_CHANGES = {
     "consumer_order": "dq_first",  # read by joint_tma: paired with it below
     "column_side": "gamma_t",  # read by joint_tma: paired with it below
     "p_tiles": "stored",  # read by joint_tma: paired with it below
+    "w_source": "forward",  # read under policy A only (POLICY_FOR); see also test_policy_a_takes_the_forward_w
 }
 
 
 # fields read by one consumer only: changed on a base that runs it
 READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
            "p_tiles": "joint_tma"}
+# fields read under one policy only: both schedules run under it
+POLICY_FOR = {"w_source": "A"}
 
 
 def test_field_changes_cover_schedule():
@@ -310,8 +315,9 @@ def test_each_field_one_at_a_time(field):
     x = make_inputs("gdn", 1, 100, 1, 32, 32, seed=13)
     ref = oracle(x, C=changed.chunk_size)
     ref_base = oracle(x) if changed.chunk_size != base.chunk_size else ref
-    assert_gates(run_triton(x, base), ref_base, ctx=f"{field} base")
-    assert_gates(run_triton(x, changed), ref, ctx=f"{field} changed")
+    policy = POLICY_FOR.get(field, "R")
+    assert_gates(run_triton(x, base, policy), ref_base, ctx=f"{field} base")
+    assert_gates(run_triton(x, changed, policy), ref, ctx=f"{field} changed")
 
 
 @pytest.mark.parametrize("waves,used", [(0, 4), (4, 4), (1, 1)])
@@ -616,14 +622,56 @@ def test_autograd_function_cpu(op, policy):
         assert rel_rms(got[n], ref[n]) <= tol, n
 
 
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_policy_a_takes_the_forward_w(op, monkeypatch):
+    # w_source "forward": under policy A the Function keeps the forward's W and the backward runs no recompute stage;
+    # under R the field is not read (W is recomputed, as FLA's policy R keeps no w)
+    from rewy_tune.kernels.triton import pipeline
+
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=29)
+    ref = oracle(x)
+    ref["dbeta"] = ref["d_erase"] + ref["d_write"]
+    calls = []
+    real = pipeline.recompute_wu
+    monkeypatch.setattr(pipeline, "recompute_wu", lambda *a, **kw: calls.append(kw.get("want_u")) or real(*a, **kw))
+    for policy, recomputed in (("A", []), ("R", [True])):
+        calls.clear()
+        got = _function_grads(x, policy, BASE.replace(w_source="forward"))
+        assert calls == recomputed, policy
+        for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+            if ref.get(n) is not None:
+                assert rel_rms(got[n], ref[n]) <= (GATE if n in ("dg", "dbeta") else ORDINARY), (policy, n)
+    calls.clear()
+    _function_grads(x, "A", BASE)  # policy A recomputing W asks for W alone
+    assert calls == [False]
+
+
+def test_forward_w_is_checked():
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=31)
+    fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], initial_state=x["h0"], save_states=True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], fwd.A, x["do"], x["dht"])
+    kw = dict(scale=1.0, initial_state=x["h0"], schedule=BASE)
+    with pytest.raises(ValueError, match="W .* comes with policy A: pass S0 and R"):
+        rewy_backward_triton(*args, **kw, W=fwd.W)
+    with pytest.raises(ValueError, match=r"W must be \[B,T,H,K\]=\(1, 100, 2, 32\) in k's dtype torch.float32"):
+        rewy_backward_triton(*args, **kw, S0=fwd.S0, R=fwd.R, W=fwd.W[:, :50])
+    with pytest.raises(ValueError, match="W must be .* got .* in torch.bfloat16"):
+        rewy_backward_triton(*args, **kw, S0=fwd.S0, R=fwd.R, W=fwd.W.bfloat16())
+
+
 @pytest.mark.gpu
 @BF16_ON_INTERPRETER
+@pytest.mark.parametrize("w_source", ["recompute", "forward"])
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
-def test_autograd_function_gpu(op, policy):
-    # FLA forward (bf16 A, h, v_new) + ReWY backward, held to the project gate (see BF16_ON_INTERPRETER).
+def test_autograd_function_gpu(op, policy, w_source):
+    # FLA forward (bf16 A, h, v_new; w under A with w_source "forward") + ReWY backward, held to the project gate
+    # (see BF16_ON_INTERPRETER).
+    if policy == "R" and w_source == "forward":
+        pytest.skip("w_source is read under policy A only")
     x = make_inputs(op, 2, 1000, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=23, gate_div=1.0)
-    got = _function_grads(x, policy, None)
+    sched = None if w_source == "recompute" else _gpu_default().replace(w_source="forward")
+    got = _function_grads(x, policy, sched)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     ref["dbeta"] = ref["d_erase"] + ref["d_write"]
     for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rewy_tune.gates import poison_allocations
 from rewy_tune.kernels.triton.cumsum import chunk_cumsum, reverse_chunk_cumsum
 from rewy_tune.kernels.triton.recompute import recompute_wu
 from rewy_tune.kernels.triton.scan import forward_state_scan, reverse_state_scan
@@ -187,6 +188,11 @@ def test_recompute_wu(B, T, H, K, V, C, BK, BV, dtype, vec_erase, gate):
     assert W.dtype == dtype and U.dtype == dtype
     check(W, Wr, dtype, "W")
     check(U, Ur, dtype, "U")
+    # policy A asks for W alone: the same bits (every element written: the buffer starts as NaN), and no U
+    with poison_allocations():
+        W_only, no_u = recompute_wu(s["k"], s["v"], s["G"], s["e"], s["w"], s["A"], chunk_size=C, BK=BK, BV=BV,
+                                    num_warps=4, num_stages=2, want_u=False)
+    assert no_u is None and torch.equal(W_only, W)
 
 
 SCAN_CASES = [

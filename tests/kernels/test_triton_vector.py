@@ -109,6 +109,8 @@ def run_triton(x, schedule, policy="R", paths=None):
     fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
                         chunk_size=schedule.chunk_size, save_states=policy == "A")
     kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
+    if policy == "A" and schedule.w_source == "forward":  # as the autograd Function passes it
+        kw["W"] = fwd.W.to(x["q"].dtype)
     if schedule.dv_local_source == "forward":
         kw["Aqk"] = unwritten_upper(fwd.Aqk.to(x["q"].dtype))
     out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"],
@@ -536,6 +538,45 @@ def test_public_op_dv_local_source_forward(op, policy):
         assert rel_rms(got[n], ref[n]) <= tol, (n, rel_rms(got[n], ref[n]))
 
 
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_public_op_w_source_forward(op, monkeypatch):
+    # Under policy A with w_source "forward" the Function keeps the forward's W ([B,T,H,K]) and the backward runs
+    # no recompute stage; under R the field is not read.
+    import rewy_tune
+    from rewy_tune.kernels.triton import pipeline
+
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=91)
+    fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
+    coefs = ("erase",) if op == "kda" else ("erase", "write")
+    names = ("q", "k", "v", "g", *coefs, "h0")
+    calls = []
+    real = pipeline.recompute_wu
+    monkeypatch.setattr(pipeline, "recompute_wu", lambda *a, **kw: calls.append(kw.get("want_u")) or real(*a, **kw))
+
+    def grads(dtype, backend, policy, schedule=None):
+        leaves = {n: x[n].detach().to(dtype).requires_grad_() for n in names}
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], *[leaves[n] for n in coefs],
+                       initial_state=leaves["h0"], output_final_state=True, policy=policy, backend=backend,
+                       schedule=schedule)
+        ((o * x["do"].to(dtype)).sum() + (ht * x["dht"].to(dtype)).sum()).backward()
+        return {n: leaves[n].grad for n in names}, saved.count(tuple(x["k"].shape))
+
+    ref, _ = grads(torch.float64, "torch", "A")
+    forward_w = BASE.replace(w_source="forward")
+    for policy, recomputed, extra in (("A", [], 1), ("R", [True], 0)):
+        calls.clear()
+        got, n_k = grads(torch.float32, "triton", policy, forward_w)
+        assert calls == recomputed, policy
+        _, n_k_base = grads(torch.float32, "triton", policy, BASE)
+        assert n_k == n_k_base + extra, policy
+        for n in names:
+            assert torch.isfinite(got[n]).all(), n
+            tol = GATE if n in ("g", "erase", "write") else ORDINARY
+            assert rel_rms(got[n], ref[n]) <= tol, (policy, n, rel_rms(got[n], ref[n]))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU (benchmark shapes, bf16): run by the lead on the device machine
 
@@ -613,12 +654,16 @@ def test_gpu_run_twice_bitwise(op, consumer):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("w_source", ["recompute", "forward"])
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_dv_local_source_forward_fla(op, policy):
+def test_gpu_dv_local_source_forward_fla(op, policy, w_source):
     # bf16 through fla-core's own forward, whose Aqk (out[3]) dv_local then reads: first FLA's Aqk against the
     # reference forward's (the convention, lower triangle only: FLA leaves j > i unwritten), then the gradients of
-    # the whole autograd Function against the float64 oracle.
+    # the whole autograd Function against the float64 oracle. w_source "forward" (policy A): FLA's w (out[5])
+    # replaces the backward's recompute stage.
+    if policy == "R" and w_source == "forward":
+        pytest.skip("w_source is read under policy A only")
     from rewy_tune.kernels.triton_function import RewyTritonFunction, _fla_forward_vector
 
     x = make_inputs(op, 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=97, gate_div=16.0)
@@ -635,7 +680,7 @@ def test_gpu_dv_local_source_forward_fla(op, policy):
 
     names = ("q", "k", "v", "g", "erase", "h0") + (("write",) if op == "gdn2" else ())
     leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
-    sched = _gpu_schedule(128, op).replace(dv_local_source="forward")
+    sched = _gpu_schedule(128, op).replace(dv_local_source="forward", w_source=w_source)
     o, ht = RewyTritonFunction.apply(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["erase"],
                                      leaves["erase"] if op == "kda" else leaves["write"], leaves["h0"], scale, 64,
                                      policy, True, sched)
