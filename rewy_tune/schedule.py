@@ -13,7 +13,8 @@ Stage map (rewy-math §§3–6):
 - ``producer``       P = AᵀR̄, D = −L_<(P Rᵀ) written to memory (only when ``consumer == "separate"``)
 - ``consumer_cfg``   the consumer kernel (joint: producer fused in, P and D stay on chip; joint_tma: the same
                      with tensor-descriptor loads and stores, DeltaNet/GDN only, `kernels/triton/consumer_tma.py`)
-- ``cumsum``         the reverse in-chunk cumsum of the gate adjoint (block_k: feature tile of vector gates)
+- ``cumsum``         the chunk-local cumsum G of the gate g (block_k: feature tile of vector gates); the backward's
+                     reverse cumsum of Ḡ is formed inside the consumers
 
 Which StageConfig members a stage reads: recompute, dv_local, consumer_cfg all four; forward_scan and
 reverse_scan all four (block_k must cover K); producer block_v, num_warps, num_stages; cumsum num_warps

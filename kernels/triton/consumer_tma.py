@@ -104,7 +104,7 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, pst, gbar, derase, dwrite,
+    G, erase, write, dk_col, gam, pst, dg, derase, dwrite,
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -226,7 +226,7 @@ def rewy_bwd_kernel_consumer_tma(
             b_dkr += tl.load(p_c, boundary_check=(0, 1))
         dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
 
-    _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
+    _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
                      ONE_BETA, USE_G)
 
 
@@ -269,7 +269,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         dk_col, gam = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device), None
     # P per chunk in the operand dtype: the size of v, not kept past this call
     pst = torch.empty(B * NT * H, C, V, dtype=k.dtype, device=q.device) if store_p else None
-    gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    dg = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
     rewy_bwd_kernel_consumer_tma[(NT, B * H)](
@@ -278,9 +278,9 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
         TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
         _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV),
-        G, erase, write, dk_col, gam, pst, gbar, derase, dwrite,
+        G, erase, write, dk_col, gam, pst, dg, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
         SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), num_warps=num_warps, num_stages=num_stages,
     )
-    return dq, dk, dv, gbar, derase, dwrite
+    return dq, dk, dv, dg, derase, dwrite

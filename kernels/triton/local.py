@@ -265,9 +265,11 @@ def _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last, b
 
 
 @triton.jit
-def _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
+def _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
                      ONE_BETA: tl.constexpr, USE_G: tl.constexpr):
-    """d_erase and d_write (or, one β, their sum in one buffer) and Ḡ per token."""
+    """d_erase and d_write (or, one β, their sum in one buffer) and the gate gradient dg per token: the reverse
+    in-chunk cumsum of Ḡ (the adjoint of the chunk-local cumulative gate), formed here because this program holds
+    the whole chunk's Ḡ (no separate cumsum kernel, no Ḡ round trip through memory)."""
     if ONE_BETA:
         tl.store(derase + tok, (b_der + b_dwr).to(derase.dtype.element_ty), mask=m_row)
     else:
@@ -278,13 +280,14 @@ def _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_
         # and the chunk-end decay of S0 and of the writes lands on row n.
         b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * tl.sum(b_frob, axis=0)
         b_out = b_gb - b_gb_col - b_tail + tl.where(is_last, b_end, 0.0)
-        tl.store(gbar + tok, b_out, mask=m_row)
+        b_out = tl.where(m_row, b_out, 0.0)  # rows past T add nothing to the sums
+        tl.store(dg + tok, tl.cumsum(b_out, axis=0, reverse=True), mask=m_row)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-    dq, dk, dv, dk_col, gbar, derase, dwrite,
+    dq, dk, dv, dk_col, dg, derase, dwrite,
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -426,7 +429,7 @@ def rewy_bwd_kernel_consumer(
         p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         tl.store(p_dk, b_dkr.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
 
-    _store_row_grads(derase, dwrite, gbar, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
+    _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
                      ONE_BETA, USE_G)
 
 
@@ -457,8 +460,9 @@ def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float,
              one_beta: bool = False):
     """ReWY consumer (§5–6.2). Joint when P and D are None (producer fused), separate otherwise.
 
-    Returns (dq, dk, dv, Gbar, d_erase, d_write): dq, dk, dv in the input dtypes, d_erase/d_write in the
-    dtypes of erase/write, Gbar fp32 [B,T,H] (gate adjoint w.r.t. the cumulative gate; None without gate).
+    Returns (dq, dk, dv, dg, d_erase, d_write): dq, dk, dv in the input dtypes, d_erase/d_write in the
+    dtypes of erase/write, dg fp32 [B,T,H] (the gradient w.r.t. the per-token gate g: the reverse in-chunk cumsum
+    of the cumulative gate's adjoint Ḡ; None without gate).
     one_beta=True: d_erase = d_erase + d_write (the gradient of a β that is both), d_write None.
     """
     B, T, H, K = q.shape
@@ -472,14 +476,14 @@ def consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float,
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dk_col = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    gbar = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    dg = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
     rewy_bwd_kernel_consumer[(NT, B * H)](
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-        dq, dk, dv, dk_col, gbar, derase, dwrite,
+        dq, dk, dv, dk_col, dg, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=G is not None, JOINT=joint,
         PREC=dot_precision(k.dtype), ONE_BETA=one_beta, num_warps=num_warps, num_stages=num_stages,
     )
-    return dq, dk, dv, gbar, derase, dwrite
+    return dq, dk, dv, dg, derase, dwrite

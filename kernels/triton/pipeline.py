@@ -3,17 +3,18 @@ KDA / GDN2 through `vector_local.py`, which reuses the same stage order.
 
 Order (rewy-math §§3–6): G = chunk cumsum of g → [policy R] W, U = recompute(A) and S0, R = forward scan
 → dv_local = A_qkᵀ dO → reverse scan (dS1, R̄, dh0) → [separate] producer P, D → consumer (dq, dk, dv,
-d_erase, d_write, Ḡ) → dg = reverse in-chunk cumsum of Ḡ. Policy A passes S0 and R; W is recomputed in both
-policies because the reverse scan uses the −WᵀR̄ form (§4 (i)).
+d_erase, d_write, and dg: the reverse in-chunk cumsum of Ḡ, which each consumer program forms for its chunk).
+Policy A passes S0 and R; W is recomputed in both policies (W alone under A; or taken from the forward, w_source)
+because the reverse scan uses the −WᵀR̄ form (§4 (i)).
 
 Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
 reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
-(joint_tma: `consumer_tma.py`, with consumer_order, column_side and p_tiles); cumsum → chunk_cumsum /
-reverse_chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly
-(and recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
+(joint_tma: `consumer_tma.py`, with consumer_order, column_side and p_tiles); cumsum → chunk_cumsum; intra,
+intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in
+dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
 policy A with "forward" it passes the forward's W here and recompute_wu does not run.
 """
 
@@ -26,7 +27,7 @@ import torch
 from rewy_tune.schedule import Schedule
 
 from .consumer_tma import consumer_tma, tma_supported
-from .cumsum import chunk_cumsum, reverse_chunk_cumsum
+from .cumsum import chunk_cumsum
 from .local import consumer as run_consumer
 from .local import dv_local as run_dv_local
 from .local import producer as run_producer
@@ -151,7 +152,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages)` and
     `consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale, P, D, chunk_size, BK, BV,
-    num_warps, num_stages) -> (dq, dk, dv, Ḡ, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
+    num_warps, num_stages) -> (dq, dk, dv, dg, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
     Inputs are checked by the caller, but for W (policy A's forward W), checked here for both gate kinds.
     """
     if W is not None:
@@ -208,12 +209,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
                             num_stages=pr.num_stages, pd_dtype=_dtype_of("pd_dtype", sc.pd_dtype, q.dtype))
     cc = sc.consumer_cfg
-    dq, dk, dv, gbar, d_erase, d_write = consumer(
+    dq, dk, dv, dg, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages)
 
-    dg = None
-    if g is not None:
-        dg = reverse_chunk_cumsum(gbar, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
-        dg = dg.to(g.dtype)
+    # the consumers return dg itself: Ḡ's reverse in-chunk cumsum is formed in the program that holds the chunk
+    dg = dg.to(g.dtype) if g is not None else None
     return dq, dk, dv, dg, d_erase, d_write, dh0

@@ -14,7 +14,8 @@ Inputs: G [B,T,H,K] (chunk-local cumulative gate, natural log, fp32); erase e [B
 - producer             P = AᵀR̄, D = −L_<(P Rᵀ): gate-independent, ``kernels/triton/local.py``'s producer serves
                        vector gates unchanged (separate consumer mode).
 - ``consumer_vector``  centred matrix intra (§6.3/6.4) with the range guard (§7) → dq, dk, dv, d_erase, d_write,
-                       Ḡ per key channel (before the reverse in-chunk cumsum). Joint (producer fused) or separate.
+                       dg per key channel (Ḡ's reverse in-chunk cumsum, formed in the kernel). Joint (producer
+                       fused) or separate.
 
 Range guard (§7), no host sync: every program (chunk × batch·head) walks K in block_k tiles; per tile it reduces
 Δ_tile = max_k (max_i G_ik − min_i G_ik) over the chunk's valid rows and branches at run time (scf.if) between
@@ -254,7 +255,7 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-    dq, dk, dv, hd, gbar, derase, dwrite, paths,
+    dq, dk, dv, hd, dg, derase, dwrite, paths,
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
@@ -479,7 +480,8 @@ def rewy_bwd_kernel_consumer_vector(
                 - b_k * b_xy - b_tail)
         b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * b_frob
         b_gb += tl.where(is_last[:, None], b_end[None, :], 0.0)
-        tl.store(gbar + p_rk, b_gb, mask=m_rk)
+        # dg: Ḡ's reverse in-chunk cumsum per channel, formed here (this program holds the chunk's rows of this tile)
+        tl.store(dg + p_rk, tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True), mask=m_rk)
 
     if not ERASE_VEC:
         tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
@@ -514,9 +516,10 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
                     intra: str = "auto", intra_precision: str = "ieee"):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise.
 
-    Returns (dq, dk, dv, Gbar, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
-    the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); Gbar fp32
-    [B,T,H,K] (adjoint of the cumulative gate); paths int32 [B·H, NT, cdiv(K, BK)]: 1 centred, 2 sub-chunk.
+    Returns (dq, dk, dv, dg, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
+    the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
+    [B,T,H,K] (the gate's gradient: the reverse in-chunk cumsum of Ḡ, the cumulative gate's adjoint); paths int32
+    [B·H, NT, cdiv(K, BK)]: 1 centred, 2 sub-chunk.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -539,14 +542,14 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     hd = torch.empty(B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)  # H_< | D rows
-    gbar = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     derase = torch.empty_like(erase)
     dwrite = torch.empty_like(write)
     NK = triton.cdiv(K, BK)
     paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
     rewy_bwd_kernel_consumer_vector[(NT, B * H)](
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-        dq, dk, dv, hd, gbar, derase, dwrite, paths,
+        dq, dk, dv, hd, dg, derase, dwrite, paths,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
         ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
@@ -554,7 +557,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
         IPREC=_intra_precision(intra_precision),
         num_warps=num_warps, num_stages=num_stages,
     )
-    return dq, dk, dv, gbar, derase, dwrite, paths
+    return dq, dk, dv, dg, derase, dwrite, paths
 
 
 # --------------------------------------------------------------------------------------------------

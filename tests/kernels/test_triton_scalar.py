@@ -207,7 +207,7 @@ def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, g
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32, one_beta=one_beta)
     ours = consumer(*args, **kw)
     tma = consumer_tma(*args, **kw, dq_first=dq_first, gamma_t=gamma_t, store_p=store_p)
-    for name, a, b in zip(("dq", "dk", "dv", "gbar", "d_erase", "d_write"), ours, tma):
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "d_erase", "d_write"), ours, tma):
         assert (a is None) == (b is None), name
         if a is not None:
             assert not a.isnan().any() and not b.isnan().any(), name
@@ -715,7 +715,7 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
         if True:
             sig = {n: p for n in ("q", "k", "v", "erase", "write", "A", "R", "Rbar", "do", "dq", "dk", "dv",
                                   "derase", "dwrite")}
-            sig.update({n: "*fp32" for n in ("G", "S0", "dS1", "P", "D", "dk_col", "gbar")})
+            sig.update({n: "*fp32" for n in ("G", "S0", "dS1", "P", "D", "dk_col", "dg")})
             sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
             sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "JOINT", "PREC", "ONE_BETA")})
             compile_(local.rewy_bwd_kernel_consumer, sig,
@@ -724,7 +724,7 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     d4 = lambda bd, t=dt: f"tensordesc<{t}[1, 64, 1, {bd}]>"
     sig = {n: d4(64) for n in ("q_d", "k_d", "v_d", "r_d", "rb_d", "do_d", "dq_d", "dk_d", "dv_d")}
     sig.update({"a_d": d4(64), "s0_d": f"tensordesc<{dt}[1, 64, 64]>", "ds1_d": f"tensordesc<{dt}[1, 64, 64]>"})
-    sig.update({"G": "*fp32", "erase": p, "write": p, "gbar": "*fp32", "derase": p, "dwrite": p})
+    sig.update({"G": "*fp32", "erase": p, "write": p, "dg": "*fp32", "derase": p, "dwrite": p})
     sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
     sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ",
                                          "GAMMA_T", "STORE_P")})

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rewy_tune.gates import poison_allocations
-from rewy_tune.kernels.triton.cumsum import chunk_cumsum, reverse_chunk_cumsum
+from rewy_tune.kernels.triton.cumsum import chunk_cumsum
 from rewy_tune.kernels.triton.recompute import recompute_wu
 from rewy_tune.kernels.triton.scan import forward_state_scan, reverse_state_scan
 
@@ -101,12 +101,11 @@ def ref_reverse_scan(q, k, W, G, do, dvl, dht, scale, C):
     return torch.stack(dS1, 1), Rb, dS
 
 
-def ref_chunk_cumsum(x, C, reverse):
+def ref_chunk_cumsum(x, C):
     x = x.double()
     y = torch.empty_like(x)
     for s in chunks(x.shape[1], C):
-        xc = x[:, s]
-        y[:, s] = xc.flip(1).cumsum(1).flip(1) if reverse else xc.cumsum(1)
+        y[:, s] = x[:, s].cumsum(1)
     return y
 
 
@@ -125,7 +124,7 @@ def make_system(B, T, H, K, V, C, gate, *, vec_erase=False, seed=0, device="cpu"
         g = F.logsigmoid(r(B, T, H)) / 4
     else:
         g = F.logsigmoid(r(B, T, H, K)) / 4
-    G = None if g is None else ref_chunk_cumsum(g, C, reverse=False)
+    G = None if g is None else ref_chunk_cumsum(g, C)
     if vec_erase:  # GDN2: erase b ∈ R^K, write w ∈ R^V
         e = torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
         w = torch.rand(B, T, H, V, generator=gen, dtype=torch.float64)
@@ -336,13 +335,12 @@ CUMSUM_CASES = [
 def test_chunk_cumsums(B, T, H, K, C, BK, vector):
     gen = torch.Generator().manual_seed(8)
     x = torch.randn((B, T, H, K) if vector else (B, T, H), generator=gen).to(DEV)
-    for reverse, fn in ((True, reverse_chunk_cumsum), (False, chunk_cumsum)):
-        y = fn(x, chunk_size=C, BK=BK, num_warps=2)
-        assert y.dtype == torch.float32
-        check(y, ref_chunk_cumsum(x, C, reverse), torch.float32, f"cumsum reverse={reverse}")
+    y = chunk_cumsum(x, chunk_size=C, BK=BK, num_warps=2)
+    assert y.dtype == torch.float32
+    check(y, ref_chunk_cumsum(x, C), torch.float32, "cumsum")
     xb = x.to(torch.bfloat16)
-    check(reverse_chunk_cumsum(xb, chunk_size=C, BK=BK, num_warps=4), ref_chunk_cumsum(xb, C, True),
-          torch.float32, "reverse cumsum of bf16")
+    check(chunk_cumsum(xb, chunk_size=C, BK=BK, num_warps=4), ref_chunk_cumsum(xb, C), torch.float32,
+          "cumsum of bf16")
 
 
 def test_tile_validation():
@@ -358,7 +356,7 @@ def test_tile_validation():
     with pytest.raises(ValueError, match="state_dtype"):
         forward_state_scan(k, k, v, None, None, chunk_size=64, BK=32, BV=32, state_dtype=torch.float16)
     with pytest.raises(ValueError, match="num_warps"):
-        reverse_chunk_cumsum(k, chunk_size=64, BK=32, num_warps=3)
+        chunk_cumsum(k, chunk_size=64, BK=32, num_warps=3)
     with pytest.raises(ValueError, match="num_segments"):
         forward_state_scan(k, k, v, None, None, chunk_size=64, BK=32, BV=32, num_segments=0)
 
@@ -410,8 +408,8 @@ class TestSharedStagesGPU:
             check(Rb, Rbr, dtype, f"Rbar BV={BV} seg={nseg}")
             check(dh0, hr, dtype, f"dh0 BV={BV} seg={nseg}")
         x = torch.randn(self.B, self.T, self.H, self.K, device="cuda", generator=gen)
-        check(reverse_chunk_cumsum(x, chunk_size=C, BK=64, num_warps=4), ref_chunk_cumsum(x, C, True),
-              torch.float32, "reverse cumsum")
+        check(chunk_cumsum(x, chunk_size=C, BK=64, num_warps=4), ref_chunk_cumsum(x, C), torch.float32,
+              "cumsum")
 
 
 def test_constraint_rejects_segments_whose_combine_kernel_cannot_fit():
@@ -500,9 +498,7 @@ def wrong_stage_case(stage, cfg):
         return
     if stage == "cumsum":
         x = torch.randn(B, T, H, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(23))
-        check(chunk_cumsum(x, chunk_size=C, **cfg), ref_chunk_cumsum(x, C, False), torch.float32, "cumsum")
-        check(reverse_chunk_cumsum(x, chunk_size=C, **cfg), ref_chunk_cumsum(x, C, True), torch.float32,
-              "reverse cumsum")
+        check(chunk_cumsum(x, chunk_size=C, **cfg), ref_chunk_cumsum(x, C), torch.float32, "cumsum")
         return
     W, U = Wr.to(dtype), Ur.to(dtype)
     gen = torch.Generator(device="cuda").manual_seed(22)
