@@ -883,6 +883,10 @@ def main(argv=None) -> int:
             print("--dry-run needs TRITON_INTERPRET=1 before Triton is imported", file=sys.stderr)
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
+    if not args.dry_run:
+        from rewy_tune import fla_baseline
+
+        fla_baseline.autotune_here()  # fla-core's picks are timed in this process, not read from the disk cache
     try:
         import fla.models  # noqa: F401 - flash-linear-attention (the `models` extra) provides fla.models
     except ImportError as exc:

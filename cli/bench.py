@@ -128,8 +128,9 @@ def run_many(runs, shapes, K: int, V: int, rounds: int, seed: int, jobs: int | N
              console: Console) -> int:
     """Bench each (op, policy, schedule) in turn after compiling all of them ahead in parallel; a run that
     fails is reported and the others go on. Exit code 1 if any failed."""
-    from rewy_tune import warmup
+    from rewy_tune import fla_baseline, warmup
 
+    fla_baseline.autotune_here()  # FLA's picks are timed here, on an idle GPU, not read from the disk cache
     jobs = warmup.default_jobs() if jobs is None else jobs
     if jobs > 1:
         t0 = time.perf_counter()

@@ -6,8 +6,9 @@ fresh H200 host a campaign's warm-up took about 7 minutes, most of it there (ben
 Inside `config_part(i, n)` every autotuner of this process keeps only its configurations i, i + n, i + 2n, ...:
 n processes running the same calls compile disjoint shares into Triton's on-disk cache at the same time. The
 process that measures then autotunes over the full lists as usual, finds every binary compiled, and only times
-them; its choice is FLA's own, made on an otherwise idle GPU. The shares' own picks are kept apart: Triton keys
-its on-disk autotuning results by the configuration list, and the in-memory picks are restored on exit.
+them; its choice is FLA's own, made on an otherwise idle GPU (`fla_baseline.autotune_here` keeps it from reading
+picks that other processes timed on a shared GPU). The shares' own picks are kept apart: Triton keys its on-disk
+autotuning results by the configuration list, and the in-memory picks are restored on exit.
 """
 
 from __future__ import annotations

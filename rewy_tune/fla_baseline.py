@@ -4,6 +4,9 @@
   (`FLA_FLASH_QLA=0`, `FLA_TILELANG=0`), as architecture.md's measurement protocol requires.
 - Hopper with Triton < 3.7.1: fla-core refuses gated `chunk_bwd_dqkwg` (FLA issue 640, a miscompile).
   `bypass_hopper_guard()` lifts that refusal for timing only; the benchmark says so in its output.
+- Autotuning on an idle GPU: fla-core keeps its autotuners' picks in Triton's on-disk cache (`cache_results`), and
+  a pick made while other processes share the GPU (compile-ahead workers, the GPU tests' pytest workers) would be
+  read back by the measuring process instead of chosen there. `autotune_here()` makes this process choose its own.
 - Policy A: KDA and GDN2 use fla's own `disable_recompute=True`. DeltaNet and GDN have no such switch,
   so `FlaSaveAll` runs fla's forward pieces, keeps w, h and v_new, and runs fla's backward pieces
   without the recompute stages (the paper's "matched wrapper" that caches the same intermediates).
@@ -19,6 +22,31 @@ os.environ["FLA_FLASH_QLA"] = "0"
 os.environ["FLA_TILELANG"] = "0"
 
 _GUARD_BYPASSED = False
+
+
+def autotune_here() -> int:
+    """Make fla-core's autotuners in this process time their configurations themselves on first use (as FLA does in
+    a training process) instead of reading picks from Triton's on-disk cache, which other processes may have timed
+    on a shared GPU; the compiled binaries are still read from the cache. Covers the autotuners already defined and
+    those defined later (fla-core reads its `FLA_CACHE_RESULTS` into `autotune_cache_kwargs` when imported; the
+    variable also reaches processes started from here). Returns how many existing autotuners were switched."""
+    import sys
+
+    from rewy_tune import autotune_parts
+
+    import triton
+
+    os.environ["FLA_CACHE_RESULTS"] = "0"
+    triton.knobs.autotuning.cache = False  # TRITON_CACHE_AUTOTUNING would turn caching back on for later autotuners
+    env = sys.modules.get("fla.utils.env")
+    if env is not None and "cache_results" in getattr(env, "autotune_cache_kwargs", {}):
+        env.autotune_cache_kwargs["cache_results"] = False  # the dict later decorators unpack
+    switched = 0
+    for tuner in autotune_parts.autotuners():
+        if getattr(tuner, "cache_results", False):
+            tuner.cache_results = False
+            switched += 1
+    return switched
 
 
 def bypass_hopper_guard() -> bool:

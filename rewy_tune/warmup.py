@@ -51,13 +51,17 @@ def warm(tasks: list[WarmTask], jobs: int | None = None, timeout_s: float = 600.
     On CUDA with several processes, first every process compiles its share of fla-core's autotuning
     configurations for each (operator, policy) with FLA (`autotune_parts.config_part`): a task compiles FLA's
     kernels config after config in one process, and there are usually fewer tasks (one per head count) than
-    processes. The tasks then find those binaries compiled."""
+    processes. The tasks then run our side only: every FLA binary is compiled by then, and FLA run again here,
+    in several processes at once, would only time its configurations on a shared GPU (and leave those picks in
+    Triton's on-disk cache). The measuring process times them itself (`fla_baseline.autotune_here`)."""
     jobs = max(1, jobs or default_jobs())
     workers = [TrialWorker(device=device) for _ in range(jobs)]
     try:
-        if device == "cuda" and jobs > 1:
+        fla_compiled = device == "cuda" and jobs > 1
+        if fla_compiled:
             _precompile_fla_shares(tasks, workers, timeout_s)
-        return _run_tasks(tasks, workers[:max(1, min(jobs, len(tasks)))], timeout_s, device)
+        return _run_tasks(tasks, workers[:max(1, min(jobs, len(tasks)))], timeout_s, device,
+                          with_fla=not fla_compiled)
     finally:
         for w in workers:
             w.stop()
@@ -103,8 +107,9 @@ def _precompile_fla_shares(tasks: list[WarmTask], workers: list[TrialWorker], ti
     precompile_fla_shares(groups, workers, timeout_s)
 
 
-def _run_tasks(tasks: list[WarmTask], workers: list[TrialWorker], timeout_s: float,
-               device: str) -> list[WarmResult]:
+def _run_tasks(tasks: list[WarmTask], workers: list[TrialWorker], timeout_s: float, device: str,
+               with_fla: bool = True) -> list[WarmResult]:
+    """Each task in the first free worker; with_fla=False runs our side only, whatever the task says."""
     results: list[WarmResult | None] = [None] * len(tasks)
     lock = threading.Lock()
     queue = list(range(len(tasks)))
@@ -119,7 +124,7 @@ def _run_tasks(tasks: list[WarmTask], workers: list[TrialWorker], timeout_s: flo
             t0 = time.perf_counter()
             out = worker.request({"kind": "warm", "device": device, "op": t.op, "policy": t.policy,
                                   "schedule": t.schedule, "shapes": [list(s) for s in t.shapes], "K": t.K, "V": t.V,
-                                  "with_fla": t.with_fla}, timeout_s)
+                                  "with_fla": t.with_fla and with_fla}, timeout_s)
             results[i] = WarmResult(t, out.status, time.perf_counter() - t0, out.message, out.errors)
 
     _in_threads(loop, workers)

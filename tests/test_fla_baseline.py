@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 
 import pytest
 import torch
@@ -68,3 +69,32 @@ def test_policy_a_baseline_calls_match_the_pinned_fla_core(op, bound_calls):
     wy = "gated_delta_rule" if op == "gdn" else "delta_rule"
     assert f"fla.ops.{wy}.wy_fast.prepare_wy_repr_bwd" in bound_calls
     assert "fla.ops.common.chunk_o.chunk_bwd_dqkwg" in bound_calls
+
+
+_AUTOTUNE_HERE = r"""
+import os
+os.environ["TRITON_CACHE_AUTOTUNING"] = "1"  # a user's setting must not turn the disk cache back on
+import triton
+from rewy_tune import autotune_parts, fla_baseline
+import fla.ops.gated_delta_rule  # noqa: F401 - its autotuners exist before the call
+before = [t.cache_results for t in autotune_parts.autotuners()]
+switched = fla_baseline.autotune_here()
+from fla.utils import env
+print(len(before), sum(before), switched, sum(t.cache_results for t in autotune_parts.autotuners()),
+      env.autotune_cache_kwargs.get("cache_results"), os.environ["FLA_CACHE_RESULTS"], triton.knobs.autotuning.cache)
+"""
+
+
+def test_autotune_here_stops_reading_picks_from_the_disk_cache():
+    # fla-core's autotuners keep their picks in Triton's on-disk cache; a measuring process must time its own (the
+    # compile-ahead workers and the GPU tests' pytest workers time them on a shared GPU). In a fresh process, so the
+    # switches do not leak into the other tests.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _AUTOTUNE_HERE], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    n, cached_before, switched, cached_after, kwarg, env_var, knob = out.stdout.split()
+    assert int(n) > 10 and int(cached_before) == int(n) == int(switched)  # every fla-core autotuner cached before
+    assert int(cached_after) == 0 and kwarg == "False" and env_var == "0" and knob == "False"

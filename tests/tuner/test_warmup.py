@@ -54,3 +54,27 @@ def test_cuda_compile_ahead_splits_fla_autotuning_configs_over_every_process_fir
     assert sorted(map(tuple, share_msgs[0]["shapes"])) == [(1, 512, 4), (1, 2048, 16), (1, 8192, 4)]
     last_share = max(k for k, (_, m) in enumerate(log) if "autotune_part" in m)
     assert all("autotune_part" not in m for _, m in log[last_share + 1:]) and len(log) - last_share - 1 == 4
+    # the tasks then run our side only: FLA run again there, several processes at once, would time its
+    # configurations on a shared GPU and leave those picks in Triton's on-disk cache
+    assert all(m.get("ours", True) and not m["with_fla"] for _, m in log[last_share + 1:])
+
+
+def test_one_process_runs_fla_with_the_task(monkeypatch):
+    # without the shared precompile (one process, or the interpreter) a task still warms FLA's side itself
+    log = []
+
+    class Stub:
+        def __init__(self, device):
+            pass
+
+        def request(self, msg, timeout):
+            log.append(msg)
+            return types.SimpleNamespace(status="ok", message=None, errors={})
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(warmup, "TrialWorker", Stub)
+    sched = default_schedule("gdn", (9, 0), 128, 128, "bf16").to_dict()
+    warmup.warm([warmup.WarmTask("gdn", "R", sched, [(1, 512, 4)])], jobs=1, device="cuda")
+    assert [m["with_fla"] for m in log] == [True] and "autotune_part" not in log[0]
