@@ -49,6 +49,36 @@ def autotune_here() -> int:
     return switched
 
 
+def discard_autotune_picks(ops) -> int:
+    """Delete the autotuning picks of fla-core's kernels for these operators from Triton's on-disk cache (the
+    compiled binaries stay), so the next process to run them times its configurations again. For a tuning
+    campaign, whose measuring process then times them alone and leaves them for its gate processes: picks already
+    on disk may have been timed on a shared GPU (the GPU tests' pytest workers, an earlier compile-ahead). Returns
+    how many files were removed."""
+    import importlib
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from rewy_tune import autotune_parts
+
+    for op in ops:
+        importlib.import_module(autotune_parts.FLA_PACKAGES[op])
+    names = set()
+    for tuner in autotune_parts.autotuners():
+        fn = tuner.fn
+        while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):  # as Autotuner.check_disk_cache names it
+            fn = fn.fn
+        names.add(f"{getattr(fn, '__name__', '')[:150]}.autotune.json")
+    removed = 0
+    for folder, _, files in os.walk(triton.knobs.cache.dir):
+        for name in files:
+            if name in names:
+                os.remove(os.path.join(folder, name))
+                removed += 1
+    return removed
+
+
 def bypass_hopper_guard() -> bool:
     """Let fla's gated dqkwg run on Hopper with Triton < 3.7.1 (timing only). True if it was needed."""
     global _GUARD_BYPASSED

@@ -420,6 +420,12 @@ class Campaign:
 
     def run(self) -> None:
         """Run the worker loops to the budget; returns when done or stopped (Ctrl-C: `stop_now`)."""
+        if self.config.device_kind == "cuda":
+            # FLA's baseline picks are timed by this campaign's measuring process alone (`_warm_machine`), not read
+            # from picks that other processes left on disk after timing them on a shared GPU
+            from rewy_tune import fla_baseline
+
+            fla_baseline.discard_autotune_picks(sorted({st.op for st in self.states}))
         threads = []
         for slot in range(max(1, self.config.workers)):
             th = threading.Thread(target=self._loop, args=(slot,), daemon=True, name=f"rewy-worker-{slot}")

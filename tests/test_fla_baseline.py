@@ -98,3 +98,18 @@ def test_autotune_here_stops_reading_picks_from_the_disk_cache():
     n, cached_before, switched, cached_after, kwarg, env_var, knob = out.stdout.split()
     assert int(n) > 10 and int(cached_before) == int(n) == int(switched)  # every fla-core autotuner cached before
     assert int(cached_after) == 0 and kwarg == "False" and env_var == "0" and knob == "False"
+
+
+def test_discard_autotune_picks_removes_only_fla_core_picks(tmp_path, monkeypatch):
+    # A campaign's measuring process must time FLA's configurations itself: fla-core's cached picks go, its
+    # binaries and everything else stay.
+    from rewy_tune import fla_baseline
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fla_pick = tmp_path / "h1" / "chunk_fwd_kernel_o.autotune.json"
+    keep = [tmp_path / "h1" / "chunk_fwd_kernel_o.cubin", tmp_path / "h2" / "some_other_kernel.autotune.json"]
+    for f in (fla_pick, *keep):
+        f.parent.mkdir(exist_ok=True)
+        f.write_text("{}")
+    assert fla_baseline.discard_autotune_picks(["gdn"]) == 1
+    assert not fla_pick.exists() and all(f.exists() for f in keep)
