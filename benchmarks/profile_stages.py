@@ -133,8 +133,8 @@ def variants_for(op: str, base):
                            ("scans-fla", {"block_v": 32, "num_stages": 4}, {"block_v": 32, "num_stages": 3})):
         out[name] = base.replace(**{k: v for k, v in (("forward_scan", fwd), ("reverse_scan", bwd)) if v})
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
-    # and a default without that limit (waves 0: always split) under it. Since session 11 every H200 default uses
-    # waves 2, so "waves2" appears only for other bases.
+    # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN
+    # default uses waves 1 (no split at B·H = 16): "waves2" is call 3's behaviour, its A/B.
     out["unsplit"] = base.replace(forward_scan_segments=1, reverse_scan_segments=1)
     # Session 14: with 32-wide forward tiles B·H = 16 gives 64 programs and the rule splits the forward scan, which
     # made (1, 2048, 16) slower; this isolates the forward split (the reverse scan keeps its own)

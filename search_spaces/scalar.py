@@ -356,8 +356,11 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             consumer="joint_tma" if tma else "joint",
             # Sequence-split scans where B·H is small: the 16-wide scans' grid at B·H = 4 is 32 programs on 132
             # SMs; split 4 / 8 ways, GDN (1, 8192, 4) 0.603 -> 0.403 ms (FLA 0.580). At B·H = 32 the same split
-            # cost 1.5x (0.469 -> 0.722 ms; RESULTS.md, session 7 sweep): two waves of the SMs keep it to B·H <= 8.
-            forward_scan_segments=4, reverse_scan_segments=8, scan_split_waves=2,
+            # cost 1.5x (0.469 -> 0.722 ms; RESULTS.md, session 7 sweep): two waves of the SMs kept it to B·H <= 8.
+            # The 32-wide scans have half the programs, so two waves let B·H = 16 split as well, and GDN's
+            # (1, 2048, 16) fell below FLA (session 14). One CTA of them fits per SM: counted in rounds, the split
+            # loses at B·H = 16, and one wave keeps it to B·H <= 8 again (untimed; RESULTS.md, session 14).
+            forward_scan_segments=4, reverse_scan_segments=8, scan_split_waves=1 if wide_scans else 2,
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

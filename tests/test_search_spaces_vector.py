@@ -292,6 +292,7 @@ def test_the_scalar_h200_default_by_input_dtype():
         rs, fs = d.reverse_scan, d.forward_scan
         assert (rs.block_v, rs.num_stages) == ((16, 2) if dtype == "fp32" else (32, 3))
         assert (fs.block_v, fs.num_stages) == ((16, 2) if dtype == "fp32" else (32, 4))
+        assert d.scan_split_waves == (2 if dtype == "fp32" else 1)
     wide = scalar.default_schedule((9, 0), dtype="bf16")
     too_big = scalar.constraint(wide, {"K": 128, "V": 128, "dtype": "fp32", "compute_capability": (9, 0)})
     assert any("reverse_scan: shared memory" in r for r in too_big)
@@ -319,7 +320,7 @@ def test_the_h200_vector_defaults():
         # 8 warps and the 16-wide scans the vector default was measured with (session 11)
         pointer = {"consumer": "joint", "consumer_cfg": {"num_warps": 8}, "consumer_order": "fused",
                    "column_side": "scratch", "reverse_scan": {"block_v": 16, "num_stages": 2},
-                   "forward_scan": {"block_v": 16, "num_stages": 2}}
+                   "forward_scan": {"block_v": 16, "num_stages": 2}, "scan_split_waves": 2}
         fp32 = vector.default_schedule((9, 0), op=op, dtype="fp32")
         assert fp32 == scalar.default_schedule((9, 0), dtype="fp32").replace(**pointer)
         for KV in (64, 128):
@@ -529,3 +530,23 @@ def test_gamma_t_shared_memory_bounds_the_sm90_compile():
         assert any(r.startswith("consumer_cfg: shared") for r in scalar.constraint(s, fp32)) == (compiled32 > 232448)
         assert scalar.shared_memory_estimate(s, 128, 128, 2)["consumer_cfg"] >= 90168
         assert not [r for r in scalar.constraint(s, H200) if "shared" in r]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_h200_default_splits_the_scans_only_where_b_h_is_small(dtype):
+    # The sequence split pays at B·H = 4 (GDN (1, 8192, 4) 0.603 -> 0.403 ms) and costs at B·H = 32; with the 32-wide
+    # 16-bit scans (half the programs) B·H = 16 split under two waves and GDN's (1, 2048, 16) fell below FLA
+    # (session 14). On the H200's 132 SMs, per bench shape: segments of the forward and the reverse scan.
+    from rewy_tune.kernels.triton.scan import SPLIT_OVERHEAD_STEPS, _segments
+
+    d = scalar.default_schedule((9, 0), dtype=dtype)
+    limit = d.scan_split_waves * 132
+
+    def segments(T, BH, cfg, asked):
+        return _segments(T // 64, asked, (128 // cfg.block_v) * BH, limit, SPLIT_OVERHEAD_STEPS)[0]
+
+    got = {(T, BH): (segments(T, BH, d.forward_scan, d.forward_scan_segments),
+                     segments(T, BH, d.reverse_scan, d.reverse_scan_segments))
+           for T, BH in ((512, 4), (2048, 4), (8192, 4), (2048, 16), (2048, 32), (8192, 16))}
+    assert got == {(512, 4): (1, 1), (2048, 4): (4, 8), (8192, 4): (4, 8), (2048, 16): (1, 1), (2048, 32): (1, 1),
+                   (8192, 16): (1, 1)}
