@@ -181,13 +181,14 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 # Row-level pieces shared by the two scalar consumers (this module's and consumer_tma.py's), which differ only in
 # how tiles are loaded and stored. Triton inlines them: the pointer kernel's sm_90 code has the same instructions
 # as before (opcode histogram; only register names, scheduling and commuted FMUL/FFMA operands differ). The chunk
-# prologue serves the vector consumer (vector_local.py) too.
+# prologue serves vector_local.py's consumer and dv_local too.
 @triton.jit
 def _chunk_prologue(T, H, BT: tl.constexpr):
     """This program's chunk (program ids: chunk, batch·head): batch, head, first row t0, chunk-local rows o_i, their
     valid mask and token index [(b·T + t)·H + h], the number of valid rows and the last valid row (a tail chunk has
-    fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector). In the vector consumer it only
-    moves registers around: sm_90 stack KDA 176 → 168 B, GDN2 312 → 344 B (session 13, not timed)."""
+    fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector) and the vector dv_local. In the
+    vector consumer it only moves registers around: sm_90 stack KDA 176 → 168 B, GDN2 312 → 344 B (session 13, not
+    timed)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT

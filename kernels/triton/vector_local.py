@@ -40,8 +40,8 @@ import triton.language as tl
 
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 from .local import _chunk_prologue
+from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
 CENTRED_MAX_RANGE = 128.0
@@ -87,14 +87,7 @@ def rewy_bwd_kernel_dv_local_vector(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_t * BT
-    o_i = tl.arange(0, BT)
-    rows = t0 + o_i
-    m_row = rows < T
-    n_rows = tl.minimum(T - t0, BT)
-    tok = (i_b * T + rows) * H + i_h
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, _ = _chunk_prologue(T, H, BT)
     blk = (o_i // BC) * BC
 
     # b_at[j, i] = Σ_f k_jf q_if Λ_ijf (row j, column i), accumulated over K tiles in fp32.
