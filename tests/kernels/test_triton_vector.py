@@ -398,26 +398,35 @@ def _triton_ops():
 def test_public_op_backend_triton(op, policy):
     if op not in _triton_ops():
         pytest.skip(f"{op} is not in triton_function.SUPPORTED_OPS yet")
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=47)
+    got, _ = _public_op_grads(op, x, torch.float32, "triton", policy)
+    ref, _ = _public_op_grads(op, x, torch.float64, "torch", policy)
+    _assert_public_op_gates(got, ref)
+
+
+def _public_op_grads(op, x, dtype, backend, policy, schedule=None):
+    """Every input's gradient through rewy_tune.chunk_kda / chunk_gdn2 (loss ⟨o, dO⟩ + ⟨h_T, dh_T⟩) in `dtype`, and
+    the shapes of the tensors its autograd Function saved."""
     import rewy_tune
 
-    x = make_inputs(op, 1, 100, 1, 32, 32, seed=47)
     fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
     coefs = ("erase",) if op == "kda" else ("erase", "write")
     names = ("q", "k", "v", "g", *coefs, "h0")
+    leaves = {n: x[n].detach().to(dtype).requires_grad_() for n in names}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], *[leaves[n] for n in coefs],
+                   initial_state=leaves["h0"], output_final_state=True, policy=policy, backend=backend,
+                   schedule=schedule)
+    ((o * x["do"].to(dtype)).sum() + (ht * x["dht"].to(dtype)).sum()).backward()
+    return {n: leaves[n].grad for n in names}, saved
 
-    def grads(dtype, backend):
-        leaves = {n: x[n].detach().to(dtype).requires_grad_() for n in names}
-        co = [leaves[n] for n in coefs]
-        o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], *co, initial_state=leaves["h0"],
-                   output_final_state=True, policy=policy, backend=backend)
-        ((o * x["do"].to(dtype)).sum() + (ht * x["dht"].to(dtype)).sum()).backward()
-        return {n: leaves[n].grad for n in names}
 
-    got, ref = grads(torch.float32, "triton"), grads(torch.float64, "torch")
-    for n in names:
-        assert torch.isfinite(got[n]).all(), n
+def _assert_public_op_gates(got, ref, ctx=()):
+    for n, t in got.items():
+        assert torch.isfinite(t).all(), (*ctx, n)
         tol = GATE if n in ("g", "erase", "write") else ORDINARY
-        assert rel_rms(got[n], ref[n]) <= tol, (n, rel_rms(got[n], ref[n]))
+        assert rel_rms(t, ref[n]) <= tol, (*ctx, n, rel_rms(t, ref[n]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -506,75 +515,33 @@ def test_dv_local_source_forward_needs_aqk():
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_public_op_dv_local_source_forward(op, policy):
     # Through the autograd Function (CPU: the reference forward's Aqk): saved only when the schedule reads it.
-    import rewy_tune
-
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=89)
-    fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
-    coefs = ("erase",) if op == "kda" else ("erase", "write")
-    names = ("q", "k", "v", "g", *coefs, "h0")
-
-    def grads(dtype, backend, schedule=None):
-        leaves = {n: x[n].detach().to(dtype).requires_grad_() for n in names}
-        saved = []
-
-        def pack(t):
-            saved.append(tuple(t.shape))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], *[leaves[n] for n in coefs],
-                       initial_state=leaves["h0"], output_final_state=True, policy=policy, backend=backend,
-                       schedule=schedule)
-        ((o * x["do"].to(dtype)).sum() + (ht * x["dht"].to(dtype)).sum()).backward()
-        return {n: leaves[n].grad for n in names}, saved.count((1, 100, 1, 64))
-
-    ref, _ = grads(torch.float64, "torch")
-    got, n_fwd = grads(torch.float32, "triton", BASE.replace(dv_local_source="forward"))
-    _, n_rec = grads(torch.float32, "triton", BASE)
-    assert n_fwd == n_rec + 1  # A, and Aqk only when dv_local reads it
-    for n in names:
-        assert torch.isfinite(got[n]).all(), n
-        tol = GATE if n in ("g", "erase", "write") else ORDINARY
-        assert rel_rms(got[n], ref[n]) <= tol, (n, rel_rms(got[n], ref[n]))
+    ref, _ = _public_op_grads(op, x, torch.float64, "torch", policy)
+    got, saved_fwd = _public_op_grads(op, x, torch.float32, "triton", policy, BASE.replace(dv_local_source="forward"))
+    _, saved_rec = _public_op_grads(op, x, torch.float32, "triton", policy, BASE)
+    assert saved_fwd.count((1, 100, 1, 64)) == saved_rec.count((1, 100, 1, 64)) + 1  # A, and Aqk only when read
+    _assert_public_op_gates(got, ref)
 
 
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_public_op_w_source_forward(op, monkeypatch):
     # Under policy A with w_source "forward" the Function keeps the forward's W ([B,T,H,K]) and the backward runs
     # no recompute stage; under R the field is not read.
-    import rewy_tune
     from rewy_tune.kernels.triton import pipeline
 
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=91)
-    fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
-    coefs = ("erase",) if op == "kda" else ("erase", "write")
-    names = ("q", "k", "v", "g", *coefs, "h0")
     calls = []
     real = pipeline.recompute_wu
     monkeypatch.setattr(pipeline, "recompute_wu", lambda *a, **kw: calls.append(kw.get("want_u")) or real(*a, **kw))
-
-    def grads(dtype, backend, policy, schedule=None):
-        leaves = {n: x[n].detach().to(dtype).requires_grad_() for n in names}
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-            o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], *[leaves[n] for n in coefs],
-                       initial_state=leaves["h0"], output_final_state=True, policy=policy, backend=backend,
-                       schedule=schedule)
-        ((o * x["do"].to(dtype)).sum() + (ht * x["dht"].to(dtype)).sum()).backward()
-        return {n: leaves[n].grad for n in names}, saved.count(tuple(x["k"].shape))
-
-    ref, _ = grads(torch.float64, "torch", "A")
-    forward_w = BASE.replace(w_source="forward")
+    ref, _ = _public_op_grads(op, x, torch.float64, "torch", "A")
+    k_shape = tuple(x["k"].shape)
     for policy, recomputed, extra in (("A", [], 1), ("R", [True], 0)):
         calls.clear()
-        got, n_k = grads(torch.float32, "triton", policy, forward_w)
+        got, saved = _public_op_grads(op, x, torch.float32, "triton", policy, BASE.replace(w_source="forward"))
         assert calls == recomputed, policy
-        _, n_k_base = grads(torch.float32, "triton", policy, BASE)
-        assert n_k == n_k_base + extra, policy
-        for n in names:
-            assert torch.isfinite(got[n]).all(), n
-            tol = GATE if n in ("g", "erase", "write") else ORDINARY
-            assert rel_rms(got[n], ref[n]) <= tol, (policy, n, rel_rms(got[n], ref[n]))
+        _, saved_base = _public_op_grads(op, x, torch.float32, "triton", policy, BASE)
+        assert saved.count(k_shape) == saved_base.count(k_shape) + extra, policy
+        _assert_public_op_gates(got, ref, ctx=(policy,))
 
 
 # ----------------------------------------------------------------------------------------------------------
