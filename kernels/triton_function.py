@@ -59,8 +59,8 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None)
 def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state):
     """KDA (erase is write, [B,T,H]) / GDN2 (b [B,T,H,K], w [B,T,H,V]) through fla-core's chunk_kda_fwd /
     chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk, W = w); policy A uses their
-    disable_recompute path, which keeps h, v_new and w (policy R: None for the three). Aqk (out[3]) is FLA's A_qk: see
-    kernels/triton/vector_local.py (dv_local_aqk) for its convention."""
+    disable_recompute path, which keeps h, v_new and w (policy R: None for the three). Aqk (out[3]) is FLA's
+    A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention."""
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   chunk_size=chunk_size, disable_recompute=policy == "A")
     if erase.dim() == 3:

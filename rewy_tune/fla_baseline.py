@@ -32,9 +32,9 @@ def autotune_here() -> int:
     variable also reaches processes started from here). Returns how many existing autotuners were switched."""
     import sys
 
-    from rewy_tune import autotune_parts
-
     import triton
+
+    from rewy_tune import autotune_parts
 
     os.environ["FLA_CACHE_RESULTS"] = "0"
     triton.knobs.autotuning.cache = False  # TRITON_CACHE_AUTOTUNING would turn caching back on for later autotuners

@@ -303,9 +303,9 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
                      op: str | None = None, dtype: str | None = None) -> Schedule:
     """Built-in schedule for KDA/GDN2: the scalar default (it passes this model) with the joint pointer
     consumer, and the vector cumsum's feature tile no wider than K; on compute capability 9.0 at K = V = 128 with
-    16-bit inputs (dtype None: 16-bit assumed) the campaign-measured one (`VECTOR_H200`). Its 3-stage, 128-wide scans need 246 784 B of
-    shared memory with fp32 inputs (over the H200's 232 448 B: the H200 fp32 gate tests of session 4), so fp32
-    inputs take the scalar-derived one."""
+    16-bit inputs (dtype None: 16-bit assumed) the campaign-measured one (`VECTOR_H200`). Its 3-stage, 128-wide
+    scans need 246 784 B of shared memory with fp32 inputs (over the H200's 232 448 B: the H200 fp32 gate tests of
+    session 4), so fp32 inputs take the scalar-derived one."""
     scalar.check_default_dtype(dtype)
     if (op in ("kda", "gdn2") and compute_capability is not None and tuple(compute_capability) == (9, 0)
             and K == V == 128 and dtype in (None, "bf16", "fp16")):

@@ -281,6 +281,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         G, erase, write, dk_col, gam, pst, dg, derase, dwrite,
         T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), num_warps=num_warps, num_stages=num_stages,
+        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), num_warps=num_warps,
+        num_stages=num_stages,
     )
     return dq, dk, dv, dg, derase, dwrite

@@ -14,8 +14,8 @@ recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segm
 reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
 (joint_tma: `consumer_tma.py`, with consumer_order, column_side and p_tiles); cumsum → chunk_cumsum; intra,
 intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in
-dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
-policy A with "forward" it passes the forward's W here and recompute_wu does not run.
+dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under policy A with
+"forward" it passes the forward's W here and recompute_wu does not run.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ Compile report (ahead-of-time sm_90a, Triton 3.6 + its ptxas, bf16 inputs, K = V
 4 warps, 2 stages; registers/spill-store bytes/shared bytes; per-chunk state storage fp32 | bf16; not a speed
 measurement, only the H200 can give that). Compiled without a GPU launch's 16-byte alignment hints (session 12
 found the gap): with them the BV 16 scans took 66 / 72 registers, no spills, 67 844 / 109 060 B of shared memory
-(cp.async-pipelined tile loads), matching ncu on the H200. Since session 13 the forward scan subtracts its products from U afterwards (U's
-tile pipelined too, S staged once for its store and its product): GDN 71 registers, 73 988 B; the 16-bit default's
-reverse scan is BV 32 at 3 stages: 132 registers, 177 160 B. Since session 14 its forward scan is BV 32 at 4 stages
+(cp.async-pipelined tile loads), matching ncu on the H200. Since session 13 the forward scan subtracts its
+products from U afterwards (U's tile pipelined too, S staged once for its store and its product): GDN 71
+registers, 73 988 B; the 16-bit default's reverse scan is BV 32 at 3 stages: 132 registers, 177 160 B. Since session 14 its forward scan is BV 32 at 4 stages
 (FLA's pick): DeltaNet 102 registers, 155 648 B; GDN 130, 156 428 B (one CTA per SM).
 
     kernel      BV   before (one 128-row tile)            after (two 64-row register blocks)
