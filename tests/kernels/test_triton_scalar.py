@@ -405,10 +405,13 @@ def test_schedule_json_roundtrip_and_validation():
         BASE.replace(column_side="rows")
     with pytest.raises(ValueError, match=r"p_tiles must be one of \('recompute', 'stored'\)"):
         BASE.replace(p_tiles="kept")
+    with pytest.raises(ValueError, match=r"w_source must be one of \('recompute', 'forward'\), got 'saved'"):
+        BASE.replace(w_source="saved")
     # a schedule stored before these fields existed reads as the timed code
-    old = {k: v for k, v in BASE.to_dict().items() if k not in ("consumer_order", "column_side", "p_tiles")}
+    old = {k: v for k, v in BASE.to_dict().items()
+           if k not in ("consumer_order", "column_side", "p_tiles", "w_source")}
     assert Schedule.from_dict(old).consumer_order == "fused" and Schedule.from_dict(old).column_side == "scratch"
-    assert Schedule.from_dict(old).p_tiles == "recompute"
+    assert Schedule.from_dict(old).p_tiles == "recompute" and Schedule.from_dict(old).w_source == "recompute"
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):

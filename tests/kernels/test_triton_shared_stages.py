@@ -357,6 +357,8 @@ def test_tile_validation():
         forward_state_scan(k, k, v, None, None, chunk_size=64, BK=32, BV=32, state_dtype=torch.float16)
     with pytest.raises(ValueError, match="num_warps"):
         chunk_cumsum(k, chunk_size=64, BK=32, num_warps=3)
+    with pytest.raises(ValueError, match=r"g must be \[B,T,H\] or \[B,T,H,K\], got shape \(1, 64\)"):
+        chunk_cumsum(torch.zeros(1, 64), chunk_size=64)
     with pytest.raises(ValueError, match="num_segments"):
         forward_state_scan(k, k, v, None, None, chunk_size=64, BK=32, BV=32, num_segments=0)
 
