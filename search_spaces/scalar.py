@@ -359,8 +359,12 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # cost 1.5x (0.469 -> 0.722 ms; RESULTS.md, session 7 sweep): two waves of the SMs kept it to B·H <= 8.
             # The 32-wide scans have half the programs, so two waves let B·H = 16 split as well, and GDN's
             # (1, 2048, 16) fell below FLA (session 14). One CTA of them fits per SM: counted in rounds, the split
-            # loses at B·H = 16, and one wave keeps it to B·H <= 8 again (untimed; RESULTS.md, session 14).
+            # loses at B·H = 16, and one wave keeps it to B·H <= 8 again: bench, session 15, GDN (1, 2048, 16)
+            # 0.256 -> 0.204 ms, (1, 8192, 16) 0.838 -> 0.753 ms under R (RESULTS.md).
             forward_scan_segments=4, reverse_scan_segments=8, scan_split_waves=1 if wide_scans else 2,
+            # Policy A keeps the forward's W (FLA's w): no recompute stage. Bench, session 15: GDN A 1.384 ->
+            # 1.457x FLA, DeltaNet A 1.052 -> 1.115x (RESULTS.md). Policy R does not read the field.
+            w_source="forward",
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),
@@ -370,5 +374,5 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
         producer=StageConfig(64, min(32, bv), 4, 1),
         consumer_cfg=StageConfig(min(32, bk), min(32, bv), 8, 1),
         cumsum=StageConfig(64, 64, 4, 1),
-        state_dtype="fp32", consumer="joint", pd_dtype="fp32", intra="auto",
+        state_dtype="fp32", consumer="joint", pd_dtype="fp32", intra="auto", w_source="forward",
     )

@@ -293,9 +293,14 @@ VECTOR_H200 = {
     "cumsum": StageConfig(64, 64, 4, 1),
     "state_dtype": "fp32", "consumer": "joint", "pd_dtype": "fp32", "intra": "auto", "intra_precision": "ieee",
     "forward_scan_segments": 4, "reverse_scan_segments": 8, "dv_local_source": "forward",
-    # Session 11: the split limited to two waves of programs (vector scans skip the "split pays" rule, scan.py):
-    # at B·H = 32 the reverse scan runs four segments instead of eight (KDA (2, 2048, 16) 1.120 -> 1.047 ms under R).
-    "scan_split_waves": 2,
+    # The split limited to waves of programs (vector scans skip the "split pays" rule, scan.py). Two waves
+    # (session 11): at B·H = 32 the reverse scan ran four segments instead of eight (KDA (2, 2048, 16) 1.120 -> 1.047
+    # ms under R). One wave (session 15): the reverse scan four segments at B·H = 16 and none at B·H = 32, as the
+    # scalar default; with w_source below, KDA's policy-A backward at (2, 2048, 16) 0.873 -> 0.763 ms, (1, 2048, 16)
+    # 0.493 -> 0.452 ms, against 3-5 % from W alone at B·H = 4 (RESULTS.md; not timed apart, nor under R).
+    "scan_split_waves": 1,
+    # Policy A keeps the forward's W (fla-core's w, out[5]): no recompute stage. Policy R does not read the field.
+    "w_source": "forward",
 }
 
 

@@ -337,6 +337,35 @@ def test_the_h200_vector_defaults():
     assert vector.default_schedule(None, op="gdn2").dv_local_source == "recompute"
 
 
+def test_every_builtin_default_keeps_the_forward_w_under_policy_a():
+    # w_source "forward" (session 15): policy A runs no recompute stage with any built-in default; the dataclass
+    # default (old stored schedules) still recomputes
+    assert Schedule().w_source == "recompute"
+    for cc in (None, (8, 0), (9, 0)):
+        for dtype in (None, "fp32"):
+            for KV in (64, 128, 256):
+                assert scalar.default_schedule(cc, K=KV, V=KV, dtype=dtype).w_source == "forward", (cc, dtype, KV)
+                for op in ("kda", "gdn2"):
+                    got = vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype)
+                    assert got.w_source == "forward", (op, cc, dtype, KV)
+
+
+def test_the_h200_vector_default_splits_the_reverse_scan_where_b_h_is_small():
+    # one wave of programs (session 15): the reverse scan (64-wide tiles) splits 8 ways at B·H = 4, 4 ways at
+    # B·H = 16 and not at B·H = 32; the forward scan (128-wide) 4 ways at all three
+    from rewy_tune.kernels.triton.scan import VECTOR_SPLIT_OVERHEAD_STEPS, _segments
+
+    d = vector.default_schedule((9, 0), op="kda")
+    limit = d.scan_split_waves * 132
+
+    def segments(BH, cfg, asked):
+        return _segments(2048 // 64, asked, (128 // cfg.block_v) * BH, limit, VECTOR_SPLIT_OVERHEAD_STEPS)[0]
+
+    got = {BH: (segments(BH, d.forward_scan, d.forward_scan_segments),
+                segments(BH, d.reverse_scan, d.reverse_scan_segments)) for BH in (4, 16, 32)}
+    assert got == {4: (4, 8), 16: (4, 4), 32: (4, 1)}
+
+
 def test_every_call_site_asks_for_the_operators_default():
     # the op, the dispatcher and the tuner must all reach the GDN2-specific default (they once asked without op)
     import torch

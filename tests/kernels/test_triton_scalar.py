@@ -673,7 +673,7 @@ def test_autograd_function_gpu(op, policy, w_source):
     if policy == "R" and w_source == "forward":
         pytest.skip("w_source is read under policy A only")
     x = make_inputs(op, 2, 1000, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=23, gate_div=1.0)
-    sched = None if w_source == "recompute" else _gpu_default().replace(w_source="forward")
+    sched = _gpu_default().replace(w_source=w_source)  # both explicit: the default takes "forward" (session 15)
     got = _function_grads(x, policy, sched)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     ref["dbeta"] = ref["d_erase"] + ref["d_write"]
