@@ -37,6 +37,9 @@ step_tests() {
   grep -E "^E  " "$RES/gpu-tests-report.txt" | sort | uniq -c | sort -rn | head -15
 }
 step_bench() {  # BENCH_OPS: one operator or "all" per rewy-tune bench call; several run one after another
+  # --json takes a file unless the directory exists: made first, or one operator and policy would write a file
+  # named "bench" and the next operator overwrite it (session 15, calls 3-4)
+  mkdir -p "$RES/bench"
   for op in ${BENCH_OPS:-all}; do
     timeout "${BENCH_S:-330}" python3 -m rewy_tune.cli.main bench --op "$op" \
       --policy "${BENCH_POLICY:-both}" ${BENCH_ARGS:-} --json "$RES/bench" >> "$OUT/bench.log" 2>&1
