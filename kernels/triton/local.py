@@ -110,13 +110,24 @@ def rewy_bwd_kernel_dv_local(
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
 
+def _output_like(do: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A new tensor like do, or `out` when it is one (same shape, dtype, device, contiguous)."""
+    if out is None:
+        return torch.empty_like(do)
+    if out.shape != do.shape or out.dtype != do.dtype or out.device != do.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(do.shape)} tensor in {do.dtype} on {do.device}, got "
+                         f"{tuple(out.shape)} in {out.dtype} on {out.device} (contiguous: {out.is_contiguous()})")
+    return out
+
+
 def dv_local(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
-             num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """dv_local = A_qkᵀ dO per chunk, [B,T,H,V] in do's dtype. G None (DeltaNet) or [B,T,H] fp32 natural log."""
+             num_warps: int = 4, num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dv_local = A_qkᵀ dO per chunk, [B,T,H,V] in do's dtype. G None (DeltaNet) or [B,T,H] fp32 natural log.
+    out: a contiguous buffer like do to write (the pipeline allocates it on its own stream, `run_stages`)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     _check_scalar_gate(G, (B, T, H))
-    dv = torch.empty_like(do)
+    dv = _output_like(do, out)
     NT = triton.cdiv(T, chunk_size)
     rewy_bwd_kernel_dv_local[(NT, B * H)](
         q, k, G, do, dv, T, float(scale),

@@ -15,7 +15,9 @@ reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_c
 (joint_tma: `consumer_tma.py`, with consumer_order, column_side and p_tiles); cumsum → chunk_cumsum; intra,
 intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in
 dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under policy A with
-"forward" it passes the forward's W here and recompute_wu does not run.
+"forward" it passes the forward's W here and recompute_wu does not run. dv_local_stream → where dv_local runs:
+in order, or ("side") on a second CUDA stream beside the recompute stage and the forward scan, joined before the
+reverse scan (`dv_local_on_side_stream`).
 """
 
 from __future__ import annotations
@@ -146,11 +148,28 @@ def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: 
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
 
 
+def dv_local_on_side_stream(schedule: Schedule, device: torch.device, stage_before: bool) -> bool:
+    """Whether dv_local runs on a second stream: the schedule asks for it ("side"), the tensors are on a GPU and a
+    stage runs before the reverse scan for it to overlap (stage_before: the recompute stage or the forward scan,
+    i.e. not policy A with the forward's W)."""
+    return schedule.dv_local_stream == "side" and device.type == "cuda" and stage_before
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The pipeline's second stream on this GPU (one per device, reused: a fork costs two event records)."""
+    return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
                dv_local, consumer, W=None):
     """The stage order shared by every operator; the gate type only picks the two local stages.
 
-    `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages)` and
+    `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None)` and
     `consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale, P, D, chunk_size, BK, BV,
     num_warps, num_stages) -> (dq, dk, dv, dg, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
     Inputs are checked by the caller, but for W (policy A's forward W), checked here for both gate kinds.
@@ -177,6 +196,18 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         G = G.to(torch.float32).contiguous()
 
     split_limit = split_program_limit(sc.scan_split_waves, k.device)
+    dl = sc.dv_local
+    side = side_stream(k.device) if dv_local_on_side_stream(sc, k.device, W is None or S0 is None) else None
+    if side is not None:
+        # fork: dv_local reads q, k, G, dO only, so it runs beside the recompute stage and the forward scan on
+        # the SMs their grids leave idle. Its output is allocated here, on the main stream, which also keeps
+        # q, k, G and dO alive past the join: no tensor's memory is returned to the allocator while the side
+        # stream may still read or write it (and CUDA-graph capture needs no record_stream).
+        dvl = torch.empty_like(do)
+        side.wait_stream(torch.cuda.current_stream(k.device))
+        with torch.cuda.stream(side):
+            dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
+                     num_warps=dl.num_warps, num_stages=dl.num_stages, out=dvl)
     rc = sc.recompute
     if W is None:
         # policy A brings R = U − W S0 from the forward: only W is needed (the reverse scan's −WᵀR̄)
@@ -193,9 +224,11 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         S0, R = S0.contiguous(), R.contiguous()
     del U
 
-    dl = sc.dv_local
-    dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
-                   num_warps=dl.num_warps, num_stages=dl.num_stages)
+    if side is None:
+        dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
+                       num_warps=dl.num_warps, num_stages=dl.num_stages)
+    else:
+        torch.cuda.current_stream(q.device).wait_stream(side)  # join: the reverse scan reads dv_local
     rs = sc.reverse_scan
     dS1, Rbar, dh0 = reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k,
                                         BV=rs.block_v, num_warps=rs.num_warps, num_stages=rs.num_stages,

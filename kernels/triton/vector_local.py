@@ -40,7 +40,7 @@ import triton.language as tl
 
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .local import _chunk_prologue
+from .local import _chunk_prologue, _output_like
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
@@ -145,13 +145,14 @@ def rewy_bwd_kernel_dv_local_vector(
 
 def dv_local_vector(q, k, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
                     num_warps: int = 4, num_stages: int = 2, intra: str = "auto",
-                    intra_precision: str = "ieee") -> torch.Tensor:
-    """dv_local = A_qkᵀ dO per chunk for a vector gate G [B,T,H,K] (fp32 natural log); [B,T,H,V] in do's dtype."""
+                    intra_precision: str = "ieee", out: torch.Tensor | None = None) -> torch.Tensor:
+    """dv_local = A_qkᵀ dO per chunk for a vector gate G [B,T,H,K] (fp32 natural log); [B,T,H,V] in do's dtype.
+    out: a contiguous buffer like do to write (see `local.dv_local`)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     _check_vector_gate(G, (B, T, H, K))
     _check_tiles(chunk_size, BK, BV, num_warps, num_stages)
-    dv = torch.empty_like(do)
+    dv = _output_like(do, out)
     NT = triton.cdiv(T, chunk_size)
     rewy_bwd_kernel_dv_local_vector[(NT, B * H)](
         q, k, G, do, dv, T, float(scale),
@@ -197,9 +198,10 @@ def rewy_bwd_kernel_dv_local_aqk(
 
 
 def dv_local_aqk(Aqk, do, *, chunk_size: int = 64, BV: int = 64, num_warps: int = 4,
-                 num_stages: int = 2) -> torch.Tensor:
+                 num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
     """dv_local = A_qkᵀ dO per chunk from the forward's A_qk (FLA's Aqk convention, see above): Aqk
-    [B,T,H,chunk_size] in do's dtype; returns [B,T,H,V] in do's dtype. Entries with column > row are not read."""
+    [B,T,H,chunk_size] in do's dtype; returns [B,T,H,V] in do's dtype (into `out` when given, see
+    `local.dv_local`). Entries with column > row are not read."""
     B, T, H, V = do.shape
     if tuple(Aqk.shape) != (B, T, H, chunk_size):
         raise ValueError(f"Aqk must be [B,T,H,chunk_size]={(B, T, H, chunk_size)}, got {tuple(Aqk.shape)}")
@@ -208,7 +210,7 @@ def dv_local_aqk(Aqk, do, *, chunk_size: int = 64, BV: int = 64, num_warps: int 
                          f"{Aqk.device}")
     _check_tiles(chunk_size, 16, BV, num_warps, num_stages)
     Aqk, do = Aqk.contiguous(), do.contiguous()
-    dv = torch.empty_like(do)
+    dv = _output_like(do, out)
     rewy_bwd_kernel_dv_local_aqk[(triton.cdiv(T, chunk_size), B * H)](
         Aqk, do, dv, T, H, V=V, BT=chunk_size, BV=BV, PREC=dot_precision(do.dtype),
         num_warps=num_warps, num_stages=num_stages,
@@ -602,12 +604,13 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
                              f"{tuple(Aqk.shape)} in {Aqk.dtype}")
     from .pipeline import run_stages
 
-    def dv_local(q_, k_, G_, do_, *, scale, chunk_size, BK, BV, num_warps, num_stages):
+    def dv_local(q_, k_, G_, do_, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None):
         if from_forward:  # A_qk saved by the forward: q, k, G, scale and the feature tile BK are not read
-            return dv_local_aqk(Aqk, do_, chunk_size=chunk_size, BV=BV, num_warps=num_warps, num_stages=num_stages)
+            return dv_local_aqk(Aqk, do_, chunk_size=chunk_size, BV=BV, num_warps=num_warps, num_stages=num_stages,
+                                out=out)
         return dv_local_vector(q_, k_, G_, do_, scale=scale, chunk_size=chunk_size, BK=BK, BV=BV,
                                num_warps=num_warps, num_stages=num_stages, intra=schedule.intra,
-                               intra_precision=schedule.intra_precision)
+                               intra_precision=schedule.intra_precision, out=out)
 
     def consumer(*args, **kwargs):
         *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,

@@ -293,6 +293,7 @@ FIELD_CHANGES = {
     "column_side": "gamma_t",  # read by joint_tma: paired with it below
     "p_tiles": "stored",  # read by joint_tma: paired with it below
     "w_source": "forward",  # read under policy A only (POLICY_FOR); see also test_policy_a_takes_the_forward_w
+    "dv_local_stream": "side",  # read on CUDA only (here it runs in order): test_gpu_dv_local_side_stream
 }
 
 
@@ -318,6 +319,35 @@ def test_each_field_one_at_a_time(field):
     policy = POLICY_FOR.get(field, "R")
     assert_gates(run_triton(x, base, policy), ref_base, ctx=f"{field} base")
     assert_gates(run_triton(x, changed, policy), ref, ctx=f"{field} changed")
+
+
+def test_dv_local_side_stream_rule():
+    # "side" forks only on a GPU and only where a stage runs before the reverse scan for dv_local to overlap
+    from rewy_tune.kernels.triton.pipeline import dv_local_on_side_stream
+
+    side, cuda, cpu = BASE.replace(dv_local_stream="side"), torch.device("cuda", 0), torch.device("cpu")
+    assert dv_local_on_side_stream(side, cuda, True)
+    assert not dv_local_on_side_stream(side, cuda, False)  # policy A with the forward's W: nothing to overlap
+    assert not dv_local_on_side_stream(side, cpu, True)
+    assert not dv_local_on_side_stream(BASE, cuda, True)
+    with pytest.raises(ValueError, match=r"dv_local_stream must be one of \('main', 'side'\), got 'async'"):
+        BASE.replace(dv_local_stream="async")
+
+
+def test_dv_local_writes_a_given_buffer():
+    # the side stream writes dv_local into a buffer the main stream allocated: same values, the buffer returned
+    from rewy_tune.kernels.triton.local import dv_local
+
+    x = make_inputs("deltanet", 1, 100, 2, 32, 32, seed=37)
+    G = None  # DeltaNet: no gate
+    kw = dict(scale=0.5, chunk_size=64, BK=32, BV=32)
+    want = dv_local(x["q"], x["k"], G, x["do"], **kw)
+    buf = torch.full_like(x["do"], float("nan"))
+    got = dv_local(x["q"], x["k"], G, x["do"], **kw, out=buf)
+    assert got is buf and torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(1, 100, 2, 32\) tensor in torch.float32 .*"
+                                         r"got \(1, 100, 2, 16\)"):
+        dv_local(x["q"], x["k"], G, x["do"], **kw, out=buf[..., :16])
 
 
 @pytest.mark.parametrize("waves,used", [(0, 4), (4, 4), (1, 1)])
@@ -532,9 +562,30 @@ def test_gpu_run_twice_bitwise(consumer):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("consumer", ["joint", "joint_tma"])
-def test_gpu_cuda_graph_replay(consumer):
-    s = _with_consumer(_gpu_default(), consumer)  # joint_tma: host-built descriptors captured in the graph
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (1, 1000, 4)])
+def test_gpu_dv_local_side_stream(op, B, T, H):
+    # dv_local on a second stream beside the recompute stage and the forward scan: the same kernels on the same
+    # inputs give the same bits as in order (a missing fork or join would race), and pass the gate
+    from rewy_tune.kernels.triton.pipeline import dv_local_on_side_stream
+
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
+    side = _gpu_default().replace(dv_local_stream="side")
+    assert dv_local_on_side_stream(side, x["q"].device, True)
+    in_order, beside = run_triton(x, side.replace(dv_local_stream="main")), run_triton(x, side)
+    for n in NAMES:
+        if in_order[n] is not None:
+            assert torch.equal(in_order[n], beside[n]), n
+    assert_bf16(beside, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
+                f"gpu {op} {B},{T},{H} dv_local side stream")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumer,stream", [("joint", "main"), ("joint_tma", "main"), ("joint_tma", "side")])
+def test_gpu_cuda_graph_replay(consumer, stream):
+    # joint_tma: host-built descriptors captured in the graph; "side": the capture forks a second stream and joins it
+    s = _with_consumer(_gpu_default(), consumer).replace(dv_local_stream=stream)
     x = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
     y = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=2, gate_div=1.0)
     scale = 128 ** -0.5
