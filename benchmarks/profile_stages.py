@@ -141,9 +141,11 @@ def variants_for(op: str, base):
     out["fscan-unsplit"] = base.replace(forward_scan_segments=1)
     if base.scan_split_waves != 2:
         out["waves2"] = base.replace(scan_split_waves=2)
-    # Session 15: dv_local on a second stream beside the recompute stage and the forward scan (policy R), on the SMs
-    # the scans' grids leave idle (at B·H = 16 the forward scan runs 64 programs on 132 SMs)
-    out["dvl-side"] = base.replace(dv_local_stream="side")
+    # Session 15: stages on a second stream (policy R), on the SMs the scans' grids leave idle (at B·H = 16 each
+    # 32-wide 16-bit scan runs 64 programs on 132 SMs, one CTA per SM): dv_local beside the recompute stage and the
+    # forward scan; and the reverse scan beside the forward scan as well
+    out["side-dvl"] = base.replace(side_stream="dv_local")
+    out["side-rscan"] = base.replace(side_stream="reverse_scan")
     return {name: s for name, s in out.items() if name == "default" or s != base}
 
 

@@ -35,10 +35,12 @@ P's tiles in the operand dtype to a per-chunk scratch in phase 1 and reads them 
 uses P only as a product operand, cast to that dtype). ``w_source`` is read by the autograd Function under policy A
 only: "recompute" rebuilds W = A E in the backward's recompute stage (as policy R must); "forward" keeps the
 forward's W (FLA's ``w``, which FLA's own save-all backward keeps too) with S0 and R, and the backward runs no
-recompute stage. ``dv_local_stream``: "main" runs dv_local between the forward scan and the reverse scan; "side"
-runs it on a second CUDA stream while the recompute stage and the forward scan run (it needs neither), joined before
-the reverse scan. The two scans leave SMs idle where B·H is small (one program per state tile), which dv_local can
-fill. Where nothing precedes the reverse scan (policy A with the forward's W) or off CUDA, "side" runs as "main".
+recompute stage. ``side_stream`` runs stages on a second CUDA stream beside others they do not depend on (the scans
+leave SMs idle where B·H is small: one program per state tile, one CTA per SM): "none" runs every stage in order;
+"dv_local" runs dv_local beside the recompute stage and the forward scan, joined before the reverse scan;
+"reverse_scan" also runs the reverse scan there, once the recompute stage has made W, beside the forward scan (the
+reverse scan reads W and dv_local, never S0 or R), joined before the consumer. Off CUDA, or where no stage runs
+before the reverse scan (policy A with the forward's W), every stage runs in order.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ CONSUMER_ORDERS = ("fused", "dq_first")
 COLUMN_SIDES = ("scratch", "gamma_t")
 P_TILES = ("recompute", "stored")
 W_SOURCES = ("recompute", "forward")
-DV_LOCAL_STREAMS = ("main", "side")
+SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -134,7 +136,7 @@ class Schedule:
     column_side: str = "scratch"  # joint_tma's dk column side: fp32 scratch per K tile, or rows from Γᵀ ("gamma_t")
     p_tiles: str = "recompute"  # joint_tma's P in phase 2: recomputed per K tile, or "stored" in phase 1 and read back
     w_source: str = "recompute"  # policy A: W recomputed in the backward, or kept from the "forward"
-    dv_local_stream: str = "main"  # dv_local after the forward scan, or on a "side" stream beside it (CUDA)
+    side_stream: str = "none"  # stages on a second CUDA stream: "dv_local", or it and the "reverse_scan" too
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -156,7 +158,7 @@ class Schedule:
                               ("intra_precision", INTRA_PRECISIONS),
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
                               ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES),
-                              ("w_source", W_SOURCES), ("dv_local_stream", DV_LOCAL_STREAMS)):
+                              ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

@@ -72,7 +72,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "consumer_order": ["fused", "dq_first"],
         "column_side": ["scratch", "gamma_t"],
         "p_tiles": ["recompute", "stored"],
-        "dv_local_stream": ["main", "side"],
+        "side_stream": ["none", "dv_local", "reverse_scan"],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
         "intra": ["auto"],

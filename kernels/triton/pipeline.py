@@ -15,9 +15,9 @@ reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_c
 (joint_tma: `consumer_tma.py`, with consumer_order, column_side and p_tiles); cumsum → chunk_cumsum; intra,
 intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in
 dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under policy A with
-"forward" it passes the forward's W here and recompute_wu does not run. dv_local_stream → where dv_local runs:
-in order, or ("side") on a second CUDA stream beside the recompute stage and the forward scan, joined before the
-reverse scan (`dv_local_on_side_stream`).
+"forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages run on a
+second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
+("reverse_scan") the reverse scan beside the forward scan too.
 """
 
 from __future__ import annotations
@@ -148,11 +148,11 @@ def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: 
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
 
 
-def dv_local_on_side_stream(schedule: Schedule, device: torch.device, stage_before: bool) -> bool:
-    """Whether dv_local runs on a second stream: the schedule asks for it ("side"), the tensors are on a GPU and a
-    stage runs before the reverse scan for it to overlap (stage_before: the recompute stage or the forward scan,
-    i.e. not policy A with the forward's W)."""
-    return schedule.dv_local_stream == "side" and device.type == "cuda" and stage_before
+def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: bool) -> str:
+    """The schedule's `side_stream` where it applies, else "none": the tensors are on a GPU and a stage runs before
+    the reverse scan for the side stream to overlap (stage_before: the recompute stage or the forward scan, i.e. not
+    policy A with the forward's W)."""
+    return schedule.side_stream if device.type == "cuda" and stage_before else "none"
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,15 +196,24 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         G = G.to(torch.float32).contiguous()
 
     split_limit = split_program_limit(sc.scan_split_waves, k.device)
-    dl = sc.dv_local
-    side = side_stream(k.device) if dv_local_on_side_stream(sc, k.device, W is None or S0 is None) else None
-    if side is not None:
-        # fork: dv_local reads q, k, G, dO only, so it runs beside the recompute stage and the forward scan on
-        # the SMs their grids leave idle. Its output is allocated here, on the main stream, which also keeps
-        # q, k, G and dO alive past the join: no tensor's memory is returned to the allocator while the side
-        # stream may still read or write it (and CUDA-graph capture needs no record_stream).
+    dl, rs = sc.dv_local, sc.reverse_scan
+
+    def run_reverse_scan(dvl):
+        return reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v,
+                                  num_warps=rs.num_warps, num_stages=rs.num_stages, state_dtype=state_dtype,
+                                  want_dh0=initial_state is not None, num_segments=sc.reverse_scan_segments,
+                                  split_max_programs=split_limit)
+
+    # Stages on a second stream (Schedule.side_stream). Every tensor the side stream reads or writes is held here
+    # until the join, and each fork waits on all the main stream's work so far, so no memory is reused while the
+    # other stream may still touch it. dv_local's output is allocated on the main stream (capture needs no
+    # record_stream); the reverse scan's outputs come from the side stream's pool.
+    mode = side_stream_mode(sc, k.device, W is None or S0 is None)
+    main = torch.cuda.current_stream(k.device) if mode != "none" else None
+    side = side_stream(k.device) if mode != "none" else None
+    if side is not None:  # fork: dv_local reads q, k, G and dO only
         dvl = torch.empty_like(do)
-        side.wait_stream(torch.cuda.current_stream(k.device))
+        side.wait_stream(main)
         with torch.cuda.stream(side):
             dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                      num_warps=dl.num_warps, num_stages=dl.num_stages, out=dvl)
@@ -215,6 +224,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                             num_warps=rc.num_warps, num_stages=rc.num_stages, want_u=S0 is None)
     else:  # schedule.w_source "forward": the forward's W, no recompute stage
         W, U = W.contiguous(), None
+    if mode == "reverse_scan":  # the reverse scan reads W and dv_local, never S0 or R: beside the forward scan
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dS1, Rbar, dh0 = run_reverse_scan(dvl)
     if S0 is None:
         fs = sc.forward_scan
         S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
@@ -228,12 +241,9 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     else:
-        torch.cuda.current_stream(q.device).wait_stream(side)  # join: the reverse scan reads dv_local
-    rs = sc.reverse_scan
-    dS1, Rbar, dh0 = reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k,
-                                        BV=rs.block_v, num_warps=rs.num_warps, num_stages=rs.num_stages,
-                                        state_dtype=state_dtype, want_dh0=initial_state is not None,
-                                        num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
+        main.wait_stream(side)  # join: the reverse scan (or, from the side stream, the consumer) reads its results
+    if mode != "reverse_scan":
+        dS1, Rbar, dh0 = run_reverse_scan(dvl)
     del dvl, W
 
     P = D = None

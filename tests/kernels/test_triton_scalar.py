@@ -11,6 +11,7 @@ import os
 if not os.environ.get("REWY_TEST_NO_INTERPRET"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -293,7 +294,7 @@ FIELD_CHANGES = {
     "column_side": "gamma_t",  # read by joint_tma: paired with it below
     "p_tiles": "stored",  # read by joint_tma: paired with it below
     "w_source": "forward",  # read under policy A only (POLICY_FOR); see also test_policy_a_takes_the_forward_w
-    "dv_local_stream": "side",  # read on CUDA only (here it runs in order): test_gpu_dv_local_side_stream
+    "side_stream": "reverse_scan",  # read on CUDA only (here every stage runs in order): test_gpu_side_stream
 }
 
 
@@ -321,17 +322,64 @@ def test_each_field_one_at_a_time(field):
     assert_gates(run_triton(x, changed, policy), ref, ctx=f"{field} changed")
 
 
-def test_dv_local_side_stream_rule():
-    # "side" forks only on a GPU and only where a stage runs before the reverse scan for dv_local to overlap
-    from rewy_tune.kernels.triton.pipeline import dv_local_on_side_stream
+def test_side_stream_rule():
+    # a side stream forks only on a GPU and only where a stage runs before the reverse scan for it to overlap
+    from rewy_tune.kernels.triton.pipeline import side_stream_mode
 
-    side, cuda, cpu = BASE.replace(dv_local_stream="side"), torch.device("cuda", 0), torch.device("cpu")
-    assert dv_local_on_side_stream(side, cuda, True)
-    assert not dv_local_on_side_stream(side, cuda, False)  # policy A with the forward's W: nothing to overlap
-    assert not dv_local_on_side_stream(side, cpu, True)
-    assert not dv_local_on_side_stream(BASE, cuda, True)
-    with pytest.raises(ValueError, match=r"dv_local_stream must be one of \('main', 'side'\), got 'async'"):
-        BASE.replace(dv_local_stream="async")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for mode in ("dv_local", "reverse_scan"):
+        s = BASE.replace(side_stream=mode)
+        assert side_stream_mode(s, cuda, True) == mode
+        assert side_stream_mode(s, cuda, False) == "none"  # policy A with the forward's W: nothing to overlap
+        assert side_stream_mode(s, cpu, True) == "none"
+    assert BASE.side_stream == "none" and side_stream_mode(BASE, cuda, True) == "none"
+    with pytest.raises(ValueError, match=r"side_stream must be one of \('none', 'dv_local', 'reverse_scan'\), "
+                                         r"got 'async'"):
+        BASE.replace(side_stream="async")
+
+
+@pytest.mark.parametrize("mode,order", [
+    ("dv_local", ["side waits main", "dv_local on side", "recompute on main", "forward_scan on main",
+                  "main waits side", "reverse_scan on main"]),
+    ("reverse_scan", ["side waits main", "dv_local on side", "recompute on main", "side waits main",
+                      "reverse_scan on side", "forward_scan on main", "main waits side"]),
+])
+def test_side_stream_forks_and_joins_in_order(mode, order, monkeypatch):
+    # The fork / join path on the interpreter, with stand-in streams that log each wait and the stream each stage
+    # launches on (the interpreter has none): every stage runs after what it reads, the results pass the gate
+    from rewy_tune.kernels.triton import pipeline
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    main, side = Stream("main"), Stream("side")
+    current = [main]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    def logged(name, fn):
+        return lambda *a, **kw: log.append(f"{name} on {current[-1].name}") or fn(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream)
+    monkeypatch.setattr(pipeline, "side_stream", lambda device: side)
+    monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
+    for attr, name in (("run_dv_local", "dv_local"), ("recompute_wu", "recompute"),
+                       ("forward_state_scan", "forward_scan"), ("reverse_state_scan", "reverse_scan")):
+        monkeypatch.setattr(pipeline, attr, logged(name, getattr(pipeline, attr)))
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=41)
+    assert_gates(run_triton(x, BASE.replace(side_stream=mode)), oracle(x), ctx=f"side stream {mode}")
+    assert log == order
 
 
 def test_dv_local_writes_a_given_buffer():
@@ -565,27 +613,27 @@ def test_gpu_run_twice_bitwise(consumer):
 @BF16_ON_INTERPRETER
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (1, 1000, 4)])
-def test_gpu_dv_local_side_stream(op, B, T, H):
-    # dv_local on a second stream beside the recompute stage and the forward scan: the same kernels on the same
-    # inputs give the same bits as in order (a missing fork or join would race), and pass the gate
-    from rewy_tune.kernels.triton.pipeline import dv_local_on_side_stream
-
+def test_gpu_side_stream(op, B, T, H):
+    # dv_local (and the reverse scan) on a second stream beside the recompute stage and the forward scan: the same
+    # kernels on the same inputs give the same bits as in order (a missing fork or join would race), and the gate
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
-    side = _gpu_default().replace(dv_local_stream="side")
-    assert dv_local_on_side_stream(side, x["q"].device, True)
-    in_order, beside = run_triton(x, side.replace(dv_local_stream="main")), run_triton(x, side)
-    for n in NAMES:
-        if in_order[n] is not None:
-            assert torch.equal(in_order[n], beside[n]), n
-    assert_bf16(beside, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
-                f"gpu {op} {B},{T},{H} dv_local side stream")
+    in_order = run_triton(x, _gpu_default().replace(side_stream="none"))
+    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    for mode in ("dv_local", "reverse_scan"):
+        beside = run_triton(x, _gpu_default().replace(side_stream=mode))
+        for n in NAMES:
+            if in_order[n] is not None:
+                assert torch.equal(in_order[n], beside[n]), (mode, n)
+        assert_bf16(beside, ref, f"gpu {op} {B},{T},{H} side stream {mode}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("consumer,stream", [("joint", "main"), ("joint_tma", "main"), ("joint_tma", "side")])
+@pytest.mark.parametrize("consumer,stream", [("joint", "none"), ("joint_tma", "none"), ("joint_tma", "dv_local"),
+                                             ("joint_tma", "reverse_scan")])
 def test_gpu_cuda_graph_replay(consumer, stream):
-    # joint_tma: host-built descriptors captured in the graph; "side": the capture forks a second stream and joins it
-    s = _with_consumer(_gpu_default(), consumer).replace(dv_local_stream=stream)
+    # joint_tma: host-built descriptors captured in the graph; a side stream: the capture forks a second stream,
+    # allocates on it ("reverse_scan": the reverse scan's outputs) and joins it
+    s = _with_consumer(_gpu_default(), consumer).replace(side_stream=stream)
     x = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
     y = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=2, gate_div=1.0)
     scale = 128 ** -0.5

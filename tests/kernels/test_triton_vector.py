@@ -611,18 +611,19 @@ def test_gpu_strong_decay(op):
 
 @BF16_ON_INTERPRETER
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dv_local", "reverse_scan"])
 @pytest.mark.parametrize("source", ["recompute", "forward"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_dv_local_side_stream(op, source):
-    # dv_local (from q, k, G or from the forward's A_qk) on a second stream beside the recompute stage and the
-    # forward scan: the same bits as in order, and the gate
+def test_gpu_side_stream(op, source, mode):
+    # dv_local (from q, k, G or from the forward's A_qk), and the reverse scan, on a second stream beside the
+    # recompute stage and the forward scan: the same bits as in order, and the gate
     x = make_inputs(op, 1, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=3, gate_div=16.0)
-    side = _gpu_schedule(128, op).replace(dv_local_source=source, dv_local_stream="side")
-    in_order, beside = run_triton(x, side.replace(dv_local_stream="main")), run_triton(x, side)
+    s = _gpu_schedule(128, op).replace(dv_local_source=source)
+    in_order, beside = run_triton(x, s.replace(side_stream="none")), run_triton(x, s.replace(side_stream=mode))
     for n in NAMES:
         if in_order[n] is not None:
             assert torch.equal(in_order[n], beside[n]), n
-    assert_gates(beside, oracle(x, device="cuda"), ctx=f"gpu {op} dv_local {source} side stream")
+    assert_gates(beside, oracle(x, device="cuda"), ctx=f"gpu {op} dv_local {source} side stream {mode}")
 
 
 @pytest.mark.gpu
