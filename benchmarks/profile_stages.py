@@ -146,6 +146,9 @@ def variants_for(op: str, base):
     # forward scan; and the reverse scan beside the forward scan as well
     out["side-dvl"] = base.replace(side_stream="dv_local")
     out["side-rscan"] = base.replace(side_stream="reverse_scan")
+    # side by side the two scans share the SMs that the split rule gives each one alone: at B·H = 4 the reverse
+    # scan's 8 segments (128 programs) beside the forward scan's 64 oversubscribe 132 SMs
+    out["side-rscan-rseg4"] = base.replace(side_stream="reverse_scan", reverse_scan_segments=4)
     return {name: s for name, s in out.items() if name == "default" or s != base}
 
 
