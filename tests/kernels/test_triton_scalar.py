@@ -487,9 +487,10 @@ def test_schedule_json_roundtrip_and_validation():
         BASE.replace(w_source="saved")
     # a schedule stored before these fields existed reads as the timed code
     old = {k: v for k, v in BASE.to_dict().items()
-           if k not in ("consumer_order", "column_side", "p_tiles", "w_source")}
+           if k not in ("consumer_order", "column_side", "p_tiles", "w_source", "side_stream")}
     assert Schedule.from_dict(old).consumer_order == "fused" and Schedule.from_dict(old).column_side == "scratch"
     assert Schedule.from_dict(old).p_tiles == "recompute" and Schedule.from_dict(old).w_source == "recompute"
+    assert Schedule.from_dict(old).side_stream == "none"
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):
