@@ -30,6 +30,41 @@ def parse_shapes(text: list[str] | None) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def parse_overrides(items: list[str] | None) -> dict[str, int | str]:
+    """'FIELD=VALUE' strings (a stage's member as STAGE.MEMBER; several in one quoted string) → flat schedule
+    parameters, integers as int; a clear ValueError for anything else. Field names and values are checked when
+    the parameters are applied (`apply_overrides`)."""
+    params: dict[str, int | str] = {}
+    for item in items or []:
+        for part in item.split():
+            name, sep, text = part.partition("=")
+            if not sep or not name or not text:
+                raise ValueError(f"--set: {part!r} is not FIELD=VALUE (e.g. side_stream=reverse_scan, "
+                                 "reverse_scan.block_v=16)")
+            params[name] = int(text) if text.lstrip("-").isdigit() else text
+    return params
+
+
+def apply_overrides(schedule, params: dict[str, int | str]):
+    """The schedule with `parse_overrides`' parameters changed, every operator alike (e.g. a candidate default
+    timed on top of each operator's own); a ValueError naming --set for an unknown field or a refused value."""
+    import dataclasses
+
+    from rewy_tune.schedule import STAGES, StageConfig
+    from rewy_tune.search_spaces import schedule_from_params
+
+    members = {f.name for f in dataclasses.fields(StageConfig)}
+    for name in params:
+        stage, dot, member = name.partition(".")
+        if dot and (stage not in STAGES or member not in members):
+            raise ValueError(f"--set: {name!r} is not a stage member; accepted: STAGE.MEMBER with STAGE one of "
+                             f"{', '.join(STAGES)} and MEMBER one of {', '.join(sorted(members))}")
+    try:
+        return schedule_from_params(params, schedule)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--set: {exc}") from None
+
+
 def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16), K: int = 128, V: int = 128):
     """'default' → the built-in default for this GPU; 'db' → the stored winner nearest to `shape`
     for this device's fingerprint; a path → a Schedule JSON file."""

@@ -99,11 +99,13 @@ def bench(
     seed: int = typer.Option(0),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes that compile ahead in parallel before timing (default: min(8, cores/2); 1: none)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write every sample to this JSON file (several operators/policies, or an existing directory: bench-OP-POLICY.json in that directory)"),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="FIELD=VALUE or STAGE.MEMBER=VALUE changed on top of --schedule for every operator (repeat the option or quote a list), e.g. side_stream=reverse_scan"),
 ) -> None:
     """Time our complete backward against FLA's in one process (CUDA graphs, interleaved rounds)."""
     import torch
 
-    from rewy_tune.cli.bench import load_schedule, parse_shapes, run_many
+    from rewy_tune.cli.bench import apply_overrides, load_schedule, parse_overrides, parse_shapes, run_many
+    from rewy_tune.schedule import Schedule
     from rewy_tune.cli.verify import ALL_OPS
 
     ops = list(ALL_OPS) if op == "all" else [op]
@@ -115,12 +117,18 @@ def bench(
         _fail(f"--rounds: the measurement protocol needs at least 30, got {rounds}")
     if jobs is not None and jobs < 1:
         _fail(f"--jobs must be at least 1, got {jobs}")
+    try:
+        params = parse_overrides(overrides)
+        apply_overrides(Schedule(), params)  # names and values checked before any GPU work
+    except ValueError as exc:
+        _fail(str(exc))
     if not torch.cuda.is_available():
         _fail("bench needs a CUDA GPU (timings on the CPU interpreter are meaningless)")
     policies = ["R", "A"] if policy == "both" else [policy]
     try:
         shape_list = parse_shapes(shapes)
-        runs = [(o, p, load_schedule(schedule, o, policy=p, shape=shape_list[0], K=head_dim, V=head_dim))
+        runs = [(o, p, apply_overrides(load_schedule(schedule, o, policy=p, shape=shape_list[0], K=head_dim,
+                                                     V=head_dim), params))
                 for o in ops for p in policies]
     except ValueError as exc:
         _fail(str(exc))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rewy_tune.cli.bench import load_schedule, parse_shapes
+from rewy_tune.cli.bench import apply_overrides, load_schedule, parse_overrides, parse_shapes
 from rewy_tune.schedule import Schedule
 from rewy_tune.search import default_schedule
 
@@ -24,6 +24,10 @@ def _bench(*args, timeout=60):
     (["--op", "gdn", "--policy", "C"], "--policy: got 'C'; accepted: R, A, both"),
     (["--op", "gdn", "--rounds", "5"], "at least 30, got 5"),
     (["--op", "gdn", "--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--op", "gdn", "--set", "side_stream"], "--set: 'side_stream' is not FIELD=VALUE"),
+    (["--op", "gdn", "--set", "side_stream=async"], "side_stream must be one of ('none', 'dv_local', 'reverse_scan')"),
+    (["--op", "gdn", "--set", "warp_count=4"], "--set: Schedule.replace: unknown field(s) ['warp_count']"),
+    (["--op", "gdn", "--set", "reverse_scan.block_x=16"], "--set: 'reverse_scan.block_x' is not a stage member"),
 ])
 def test_bad_options_one_line_exit_2(args, needle):
     proc = _bench(*args)
@@ -47,6 +51,21 @@ def test_parse_shapes_accepts_quoted_lists_and_rejects_garbage():
         parse_shapes(["1,512"])
     with pytest.raises(ValueError, match="positive"):
         parse_shapes(["0,512,4"])
+
+
+def test_overrides_change_each_operators_own_schedule():
+    # --set applies the same change on top of each operator's schedule (a candidate default timed for all four)
+    params = parse_overrides(["side_stream=reverse_scan", "reverse_scan.block_v=16 scan_split_waves=2"])
+    assert params == {"side_stream": "reverse_scan", "reverse_scan.block_v": 16, "scan_split_waves": 2}
+    for op in ("gdn", "kda"):
+        base = default_schedule(op, (9, 0), 128, 128)
+        got = apply_overrides(base, params)
+        assert got == base.replace(side_stream="reverse_scan", reverse_scan={"block_v": 16}, scan_split_waves=2)
+    assert apply_overrides(base, {}) == base
+    with pytest.raises(ValueError, match=r"--set: Schedule.scan_split_waves must be one of \(0, 1, 2, 4\), got 3"):
+        apply_overrides(base, {"scan_split_waves": 3})
+    with pytest.raises(ValueError, match=r"--set: 'x=' is not FIELD=VALUE"):
+        parse_overrides(["x="])
 
 
 def test_default_schedule_is_the_operators_own(tmp_path):
