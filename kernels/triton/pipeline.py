@@ -157,7 +157,10 @@ def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: boo
 
 @functools.lru_cache(maxsize=None)
 def _side_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=index)
+    # torch hands streams out round-robin from a pool per priority: a high-priority one is far less likely to be
+    # the caller's own (torch.cuda.graph and the benchmark capture on default-priority streams), and its programs
+    # are dispatched first when both streams have work waiting
+    return torch.cuda.Stream(device=index, priority=-1)
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -205,43 +208,51 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                                   split_max_programs=split_limit)
 
     # Stages on a second stream (Schedule.side_stream). Every tensor the side stream reads or writes is held here
-    # until the join, and each fork waits on all the main stream's work so far, so no memory is reused while the
-    # other stream may still touch it. dv_local's output is allocated on the main stream (capture needs no
-    # record_stream); the reverse scan's outputs come from the side stream's pool.
+    # until the join, which an exception takes too, and each fork waits on all the main stream's work so far.
+    # dv_local's output is allocated on the main stream. The reverse scan's outputs come from the side stream's
+    # pool: record_stream keeps their memory from being handed out again on the side stream while the consumer,
+    # or the caller with dh0, may still read them on the main stream.
     mode = side_stream_mode(sc, k.device, W is None or S0 is None)
     main = torch.cuda.current_stream(k.device) if mode != "none" else None
     side = side_stream(k.device) if mode != "none" else None
-    if side is not None:  # fork: dv_local reads q, k, G and dO only
-        dvl = torch.empty_like(do)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
-                     num_warps=dl.num_warps, num_stages=dl.num_stages, out=dvl)
-    rc = sc.recompute
-    if W is None:
-        # policy A brings R = U − W S0 from the forward: only W is needed (the reverse scan's −WᵀR̄)
-        W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
-                            num_warps=rc.num_warps, num_stages=rc.num_stages, want_u=S0 is None)
-    else:  # schedule.w_source "forward": the forward's W, no recompute stage
-        W, U = W.contiguous(), None
-    if mode == "reverse_scan":  # the reverse scan reads W and dv_local, never S0 or R: beside the forward scan
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dS1, Rbar, dh0 = run_reverse_scan(dvl)
-    if S0 is None:
-        fs = sc.forward_scan
-        S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
-                                   num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
-                                   num_segments=sc.forward_scan_segments, split_max_programs=split_limit)
-    else:
-        S0, R = S0.contiguous(), R.contiguous()
-    del U
-
+    if side is not None and side == main:  # the caller already runs on our stream: nothing to overlap
+        mode, main, side = "none", None, None
+    dS1 = Rbar = dh0 = None
+    try:
+        if side is not None:  # fork: dv_local reads q, k, G and dO only
+            dvl = torch.empty_like(do)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
+                         num_warps=dl.num_warps, num_stages=dl.num_stages, out=dvl)
+        rc = sc.recompute
+        if W is None:
+            # policy A brings R = U − W S0 from the forward: only W is needed (the reverse scan's −WᵀR̄)
+            W, U = recompute_wu(k, v, G, erase, write, A, chunk_size=C, BK=rc.block_k, BV=rc.block_v,
+                                num_warps=rc.num_warps, num_stages=rc.num_stages, want_u=S0 is None)
+        else:  # schedule.w_source "forward": the forward's W, no recompute stage
+            W, U = W.contiguous(), None
+        if mode == "reverse_scan":  # the reverse scan reads W and dv_local, never S0 or R: beside the forward scan
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                dS1, Rbar, dh0 = run_reverse_scan(dvl)
+        if S0 is None:
+            fs = sc.forward_scan
+            S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
+                                       num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
+                                       num_segments=sc.forward_scan_segments, split_max_programs=split_limit)
+        else:
+            S0, R = S0.contiguous(), R.contiguous()
+        del U
+    finally:
+        if side is not None:
+            main.wait_stream(side)  # join: the reverse scan (or, after it, the consumer) reads the side's results
+    for t in (dS1, Rbar, dh0):
+        if t is not None and t.is_cuda:  # (the CPU order test drives this path with stand-in streams)
+            t.record_stream(main)
     if side is None:
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
-    else:
-        main.wait_stream(side)  # join: the reverse scan (or, from the side stream, the consumer) reads its results
     if mode != "reverse_scan":
         dS1, Rbar, dh0 = run_reverse_scan(dvl)
     del dvl, W
