@@ -101,6 +101,8 @@ def variants_for(op: str, base):
         out["tma-session12"] = s12
         if base.consumer == "joint_tma":  # session 14: P's tiles kept from phase 1 instead of formed per K tile
             out["tma-p-stored"] = base.replace(p_tiles="stored")
+            # session 15: two programs per chunk, each over half the K tiles (32 programs at (1, 512, 4))
+            out["tma-k2"] = base.replace(consumer_k_split=2)
         w4, w4k32 = {"num_warps": 4}, {"num_warps": 4, "block_k": 32}
         for name, changes in (("tma-1stage", dict(consumer_cfg={"num_stages": 1})),
                               ("tma-w4", dict(consumer_cfg=w4)),

@@ -40,7 +40,9 @@ leave SMs idle where B·H is small: one program per state tile, one CTA per SM):
 "dv_local" runs dv_local beside the recompute stage and the forward scan, joined before the reverse scan;
 "reverse_scan" also runs the reverse scan there, once the recompute stage has made W, beside the forward scan (the
 reverse scan reads W and dv_local, never S0 or R), joined before the consumer. Off CUDA, or where no stage runs
-before the reverse scan (policy A with the forward's W), every stage runs in order.
+before the reverse scan (policy A with the forward's W), every stage runs in order. ``consumer_k_split`` is read
+only by joint_tma: the programs per chunk, each running phase 1 and its share of phase 2's K tiles, the row
+gradients summed from fp32 parts (more programs where B·H is small, phase 1 repeated).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ COLUMN_SIDES = ("scratch", "gamma_t")
 P_TILES = ("recompute", "stored")
 W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
+CONSUMER_K_SPLITS = (1, 2, 4)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -137,6 +140,7 @@ class Schedule:
     p_tiles: str = "recompute"  # joint_tma's P in phase 2: recomputed per K tile, or "stored" in phase 1 and read back
     w_source: str = "recompute"  # policy A: W recomputed in the backward, or kept from the "forward"
     side_stream: str = "none"  # stages on a second CUDA stream: "dv_local", or it and the "reverse_scan" too
+    consumer_k_split: int = 1  # joint_tma: programs per chunk, each over its share of the K tiles
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -151,6 +155,9 @@ class Schedule:
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 64:
                 raise ValueError(f"Schedule.{name} must be an int in [1, 64], got {val!r}")
+        if isinstance(self.consumer_k_split, bool) or self.consumer_k_split not in CONSUMER_K_SPLITS:
+            raise ValueError(f"Schedule.consumer_k_split must be one of {CONSUMER_K_SPLITS}, got "
+                             f"{self.consumer_k_split!r}")
         if isinstance(self.scan_split_waves, bool) or self.scan_split_waves not in SPLIT_WAVES:
             raise ValueError(f"Schedule.scan_split_waves must be one of {SPLIT_WAVES}, got {self.scan_split_waves!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),

@@ -35,7 +35,7 @@ SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
-TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles")
+TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "consumer_k_split")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
@@ -73,6 +73,8 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "column_side": ["scratch", "gamma_t"],
         "p_tiles": ["recompute", "stored"],
         "side_stream": ["none", "dv_local", "reverse_scan"],
+        # no more programs per chunk than K tiles of the narrowest consumer tile (16): a wider split is rejected
+        "consumer_k_split": [s for s in (1, 2, 4) if s <= -(-K // 16)],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
         "intra": ["auto"],
@@ -221,6 +223,7 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
         reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
                        "multiples of 8 (the pipeline would run the pointer kernel instead)")
     return reasons
+
 
 
 # A Triton 3.6 miscompile on the H200 (sm_90, 16-bit inputs): the recompute stage with 4 warps and a feature tile

@@ -35,6 +35,18 @@ into a per-chunk [C, V] scratch (the size of v), and phase 2 reads those tiles b
 R̄ tile load fewer per (K tile, V tile) pair, and Aᵀ need not stay live through phase 2. Phase 2 uses P only as a
 product operand in that dtype, so the results are the same bits. Not yet timed on the H200.
 
+``Schedule.consumer_k_split`` (``k_split`` > 1): each chunk gets ``k_split`` programs (a third grid axis; no more
+than its K tiles, the launcher lowers it to that), each
+running phase 1 whole (it makes Γ, which every K tile needs) and phase 2 over its own share of the K tiles. dq and
+dk rows are per K tile and go straight out; the row gradients are sums over K tiles, so each program writes its
+part of d_erase, d_write and dg (the reverse cumsum is linear, so per part too) to fp32 part buffers, which the
+launcher sums and casts (fixed order: the same bits every run). dv and d_write's phase-1 term come from part 0;
+with "stored" P tiles each program keeps its own scratch.
+Where B·H is small the grid of one program per chunk leaves most SMs idle (32 programs at (1, 512, 4) on 132
+SMs); the split trades a repeated phase 1 (6 of the chunk's 30 tile products at K = V = 128) for twice the
+programs and half the serial chain each. sm_90 (the GDN H200 default at 4 warps): 255 registers either way, stack
+0 → 48 B with k_split 2. Not yet timed.
+
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
 and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.
@@ -105,19 +117,25 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
     G, erase, write, dk_col, gam, pst, dg, derase, dwrite,
-    T, NT, scale,
+    T, NT, scale, n_tok,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
-    STORE_P: tl.constexpr,
+    STORE_P: tl.constexpr, KSPLIT: tl.constexpr,
 ):
     i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
     i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
+    i_ks = tl.program_id(2)  # this program's share of the K tiles (consumer_k_split)
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NKP: tl.constexpr = (NK + KSPLIT - 1) // KSPLIT
     bos = (i_b * T * H + i_h).to(tl.int64)
     if not GAMMA_T:
         dk_col += bos * K
     if STORE_P:
-        pst += i_s.to(tl.int64) * BT * V
+        if KSPLIT == 1:
+            pst += i_s.to(tl.int64) * BT * V
+        else:  # one scratch per program
+            pst += (i_s * KSPLIT + i_ks).to(tl.int64) * BT * V
     DT = k_d.dtype
 
     b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
@@ -140,7 +158,10 @@ def rewy_bwd_kernel_consumer_tma(
         b_H += _mma(b_do.to(DT), tl.trans(b_r).to(DT), PREC)
         b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
         b_dwr += tl.sum(_tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV).to(tl.float32) * b_p, axis=1)
-        dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
+        if KSPLIT == 1:  # (constexpr branches: k_split 1 compiles to the unsplit kernel)
+            dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
+        elif i_ks == 0:
+            dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
         if STORE_P:  # phase 2 reads these back instead of forming P again per K tile
             tl.store(_p_tile(pst, i_v, BT, V, BV), b_p.to(DT), boundary_check=(1,))
 
@@ -150,7 +171,10 @@ def rewy_bwd_kernel_consumer_tma(
     if GAMMA_T:
         # Γ_q, Γ_r once through this chunk's scratch, read back transposed (a loaded tile, not tl.trans of an MMA
         # result: FLA issue 640): dk's column side then comes out as rows, without the fp32 dk_col round trip
-        gam += i_s.to(tl.int64) * 2 * BT * BT
+        if KSPLIT == 1:
+            gam += i_s.to(tl.int64) * 2 * BT * BT
+        else:  # one scratch per program
+            gam += (i_s * KSPLIT + i_ks).to(tl.int64) * 2 * BT * BT
         o_c = tl.arange(0, BT)
         tl.store(gam + o_i[:, None] * BT + o_c[None, :], b_gq)
         tl.store(gam + BT * BT + o_i[:, None] * BT + o_c[None, :], b_gr)
@@ -169,7 +193,13 @@ def rewy_bwd_kernel_consumer_tma(
     # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue. SPLIT_DQ ("dq_first"): Q̄_g
     # gets its own V pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed (three [C, BK]
     # fp32 accumulators next to the epilogue spill; S0 and Q, K are loaded twice instead).
-    for i_k in range(0, (K + BK - 1) // BK):
+    if KSPLIT == 1:
+        k_lo = 0
+        k_hi = NK
+    else:
+        k_lo = i_ks * NKP
+        k_hi = tl.minimum(k_lo + NKP, NK)
+    for i_k in range(k_lo, k_hi):
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         if SPLIT_DQ:
             b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
@@ -226,8 +256,42 @@ def rewy_bwd_kernel_consumer_tma(
             b_dkr += tl.load(p_c, boundary_check=(0, 1))
         dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
 
+    if KSPLIT > 1:  # this program's part of the sums over K tiles, into the fp32 part buffers (see the docstring)
+        derase += i_ks * n_tok
+        if not ONE_BETA:
+            dwrite += i_ks * n_tok
+        if USE_G:
+            dg += i_ks * n_tok
+        b_dwr = tl.where(i_ks == 0, b_dwr, 0.0)
     _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
                      ONE_BETA, USE_G)
+
+
+K_SPLITS = (1, 2, 4)  # Schedule.consumer_k_split
+ROW_PARTS_BLOCK = 1024
+
+
+@triton.jit
+def rewy_bwd_kernel_row_parts(derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT: tl.constexpr,
+                              HAS_WRITE: tl.constexpr, HAS_G: tl.constexpr, BLOCK: tl.constexpr):
+    """d_erase, d_write and dg from the k_split programs' fp32 parts ([KSPLIT, n_tok] each), summed in part order
+    (the same bits every run) and cast to the outputs' dtypes in one launch."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n_tok
+    b_e = tl.zeros([BLOCK], dtype=tl.float32)
+    b_w = tl.zeros([BLOCK], dtype=tl.float32)
+    b_g = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(KSPLIT):
+        b_e += tl.load(derp + i * n_tok + o, mask=m, other=0.0)
+        if HAS_WRITE:
+            b_w += tl.load(dwp + i * n_tok + o, mask=m, other=0.0)
+        if HAS_G:
+            b_g += tl.load(dgp + i * n_tok + o, mask=m, other=0.0)
+    tl.store(derase + o, b_e.to(derase.dtype.element_ty), mask=m)
+    if HAS_WRITE:
+        tl.store(dwrite + o, b_w.to(dwrite.dtype.element_ty), mask=m)
+    if HAS_G:
+        tl.store(dg + o, b_g, mask=m)
 
 
 def tma_supported(*tensors: torch.Tensor) -> bool:
@@ -246,15 +310,20 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False):
+                 one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False,
+                 k_split: int = 1):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
     phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
-    kept from phase 1 for phase 2 (module docstring)."""
+    kept from phase 1 for phase 2; ``k_split``: programs per chunk, each over its share of the K tiles (module
+    docstring)."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
+    if k_split not in K_SPLITS:
+        raise ValueError(f"k_split must be one of {K_SPLITS}, got {k_split!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk_size)
+    k_split = min(k_split, triton.cdiv(K, BK))  # at most one program per K tile
     _check_consumer_args(q, v, G, erase, write, S0, dS1, chunk_size, one_beta)
     if not tma_supported(q, k, v, R, Rbar, do, A, S0, dS1):
         raise ValueError("consumer 'joint_tma' needs 16-byte aligned tensors with 16-byte multiple strides "
@@ -263,25 +332,37 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     C = chunk_size
-    if gamma_t:  # Γ_q, Γ_r per chunk in the operand dtype, read back transposed
-        dk_col, gam = None, torch.empty(B * NT * H, 2, C, C, dtype=k.dtype, device=q.device)
+    if gamma_t:  # Γ_q, Γ_r per chunk (and K share) in the operand dtype, read back transposed
+        dk_col, gam = None, torch.empty(B * NT * H * k_split, 2, C, C, dtype=k.dtype, device=q.device)
     else:
         dk_col, gam = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device), None
-    # P per chunk in the operand dtype: the size of v, not kept past this call
-    pst = torch.empty(B * NT * H, C, V, dtype=k.dtype, device=q.device) if store_p else None
+    # P per chunk (and K share) in the operand dtype: k_split times the size of v, not kept past this call
+    pst = torch.empty(B * NT * H * k_split, C, V, dtype=k.dtype, device=q.device) if store_p else None
     dg = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
-    rewy_bwd_kernel_consumer_tma[(NT, B * H)](
+    if k_split > 1:  # the kernel writes fp32 parts of the sums over K tiles, summed below
+        def parts(out):
+            return torch.empty(k_split, B, T, H, dtype=torch.float32, device=q.device) if out is not None else None
+
+        dgp, derp, dwp = parts(dg), parts(derase), parts(dwrite)
+    else:
+        dgp, derp, dwp = dg, derase, dwrite
+    rewy_bwd_kernel_consumer_tma[(NT, B * H, k_split)](
         _desc4(q, C, BK), _desc4(k, C, BK), _desc4(v, C, BV), _desc4(R, C, BV), _desc4(Rbar, C, BV),
         _desc4(do, C, BV), _desc4(A, C, C),
         TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
         TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
         _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV),
-        G, erase, write, dk_col, gam, pst, dg, derase, dwrite,
-        T, NT, float(scale),
+        G, erase, write, dk_col, gam, pst, dgp, derp, dwp,
+        T, NT, float(scale), B * T * H,
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), num_warps=num_warps,
+        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split, num_warps=num_warps,
         num_stages=num_stages,
     )
+    if k_split > 1:
+        n_tok = B * T * H
+        rewy_bwd_kernel_row_parts[(triton.cdiv(n_tok, ROW_PARTS_BLOCK),)](
+            derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT=k_split, HAS_WRITE=dwrite is not None,
+            HAS_G=dg is not None, BLOCK=ROW_PARTS_BLOCK)
     return dq, dk, dv, dg, derase, dwrite

@@ -12,9 +12,9 @@ chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_s
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
 reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
-(joint_tma: `consumer_tma.py`, with consumer_order, column_side and p_tiles); cumsum → chunk_cumsum; intra,
-intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in
-dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under policy A with
+(joint_tma: `consumer_tma.py`, with consumer_order, column_side, p_tiles and consumer_k_split); cumsum →
+chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and
+recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under policy A with
 "forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages run on a
 second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
 ("reverse_scan") the reverse scan beside the forward scan too.
@@ -135,16 +135,17 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
                       consumer=functools.partial(_scalar_consumer, tma=schedule.consumer == "joint_tma",
                                                  dq_first=schedule.consumer_order == "dq_first",
                                                  gamma_t=schedule.column_side == "gamma_t",
-                                                 store_p=schedule.p_tiles == "stored", one_beta=one_beta))
+                                                 store_p=schedule.p_tiles == "stored",
+                                                 k_split=schedule.consumer_k_split, one_beta=one_beta))
 
 
 def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, dq_first: bool,
-                     gamma_t: bool, store_p: bool, **kw):
+                     gamma_t: bool, store_p: bool, k_split: int, **kw):
     """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
     (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding."""
     if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
         return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, dq_first=dq_first, gamma_t=gamma_t,
-                            store_p=store_p, **kw)
+                            store_p=store_p, k_split=k_split, **kw)
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
 
 

@@ -40,6 +40,8 @@ OTHERS = {
     "tma-gamma-t": BASE.replace(consumer="joint_tma", column_side="gamma_t", consumer_cfg={"block_k": 16}),
     "tma-p-stored": BASE.replace(consumer="joint_tma", consumer_order="dq_first", column_side="gamma_t",
                                  p_tiles="stored", consumer_cfg={"block_k": 16}),
+    "tma-k-split": BASE.replace(consumer="joint_tma", consumer_order="dq_first", column_side="gamma_t",
+                                consumer_k_split=2, consumer_cfg={"block_k": 16}),
 }
 
 
@@ -190,29 +192,53 @@ def _consumer_args(gate, dtype, B=1, T=100, H=2, K=32, V=64, C=64):
     return q, k, v, G, e, w, A, R, Rbar, S0, dS1, do
 
 
-@pytest.mark.parametrize("dq_first, gamma_t, store_p", [(False, False, False), (True, False, False),
-                                                       (False, True, False), (True, True, False),
-                                                       (False, False, True), (True, True, True)])
+@pytest.mark.parametrize("dq_first, gamma_t, store_p, k_split", [
+    (False, False, False, 1), (True, False, False, 1), (False, True, False, 1), (True, True, False, 1),
+    (False, False, True, 1), (True, True, True, 1),
+    (False, False, False, 2), (True, True, False, 2), (True, True, False, 4), (True, True, True, 2)])
 @pytest.mark.parametrize("one_beta", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", [True, False])
-def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, gamma_t, store_p):
+def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, gamma_t, store_p, k_split):
     # The descriptor kernel computes the pointer kernel's products (in its order, or "dq_first": dq and dk's column
-    # side before Ē_dir and K̄_t; with P's tiles kept from phase 1 or formed again): on the interpreter the two agree
+    # side before Ē_dir and K̄_t; with P's tiles kept from phase 1 or formed again; with k_split programs per chunk,
+    # each over its share of the K tiles, the row gradients summed from parts): on the interpreter the two agree
     # to fp32 rounding (numpy may pick another summation order for a transposed operand view; measured ≤ 3e-8),
-    # tail chunk (T = 100), several K and V tiles and K ≠ V included.
+    # tail chunk (T = 100), several K and V tiles and K ≠ V included. With k_split 2, K = 48 in three 16-wide tiles
+    # (shares of two and one); with k_split 4, K = 80 in five (shares of two, two, one and none).
     from rewy_tune.kernels.triton.consumer_tma import consumer_tma
     from rewy_tune.kernels.triton.local import consumer
 
-    args = _consumer_args(gate, dtype)
+    args = _consumer_args(gate, dtype, K={1: 32, 2: 48, 4: 80}[k_split])
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32, one_beta=one_beta)
     ours = consumer(*args, **kw)
-    tma = consumer_tma(*args, **kw, dq_first=dq_first, gamma_t=gamma_t, store_p=store_p)
+    tma = consumer_tma(*args, **kw, dq_first=dq_first, gamma_t=gamma_t, store_p=store_p, k_split=k_split)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "d_erase", "d_write"), ours, tma):
         assert (a is None) == (b is None), name
         if a is not None:
             assert not a.isnan().any() and not b.isnan().any(), name
             assert rel_rms(b, a) <= 1e-6, name
+
+
+def test_k_split_bad_arguments_and_clamp(monkeypatch):
+    # k_split outside (1, 2, 4) is refused; above the K tile count it is lowered to it (one program per tile)
+    from rewy_tune.kernels.triton import consumer_tma as ct
+
+    args = _consumer_args(True, torch.float32)
+    kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32)
+    with pytest.raises(ValueError, match=r"k_split must be one of \(1, 2, 4\), got 3"):
+        ct.consumer_tma(*args, **kw, k_split=3)
+    grids = []
+    real = ct.rewy_bwd_kernel_consumer_tma
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ct, "rewy_bwd_kernel_consumer_tma", Spy())
+    ct.consumer_tma(*args, **kw, k_split=4)  # K = 32: two 16-wide tiles
+    assert grids == [(2, 2, 2)]
 
 
 def test_tma_consumer_falls_back_on_unaligned_tensors(monkeypatch):
@@ -295,12 +321,15 @@ FIELD_CHANGES = {
     "p_tiles": "stored",  # read by joint_tma: paired with it below
     "w_source": "forward",  # read under policy A only (POLICY_FOR); see also test_policy_a_takes_the_forward_w
     "side_stream": "reverse_scan",  # read on CUDA only (here every stage runs in order): test_gpu_side_stream
+    "consumer_k_split": 2,  # read by joint_tma, and only where K has two tiles: both paired with it below
 }
 
 
 # fields read by one consumer only: changed on a base that runs it
 READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
-           "p_tiles": "joint_tma"}
+           "p_tiles": "joint_tma", "consumer_k_split": "joint_tma"}
+# fields read only where another field allows it: both schedules take that value (K = 32 in two 16-wide tiles)
+BASE_FOR = {"consumer_k_split": {"consumer_cfg": {"block_k": 16}}}
 # fields read under one policy only: both schedules run under it
 POLICY_FOR = {"w_source": "A"}
 
@@ -312,6 +341,7 @@ def test_field_changes_cover_schedule():
 @pytest.mark.parametrize("field", list(FIELD_CHANGES))
 def test_each_field_one_at_a_time(field):
     base = BASE.replace(consumer=READ_BY[field]) if field in READ_BY else BASE
+    base = base.replace(**BASE_FOR.get(field, {}))
     changed = base.replace(**{field: FIELD_CHANGES[field]})
     assert changed != base
     x = make_inputs("gdn", 1, 100, 1, 32, 32, seed=13)
@@ -524,6 +554,9 @@ def test_schedule_json_roundtrip_and_validation():
         BASE.replace(column_side="rows")
     with pytest.raises(ValueError, match=r"p_tiles must be one of \('recompute', 'stored'\)"):
         BASE.replace(p_tiles="kept")
+    for bad in (3, True, "2"):
+        with pytest.raises(ValueError, match=r"consumer_k_split must be one of \(1, 2, 4\), got"):
+            BASE.replace(consumer_k_split=bad)
     with pytest.raises(ValueError, match=r"w_source must be one of \('recompute', 'forward'\), got 'saved'"):
         BASE.replace(w_source="saved")
     # a schedule stored before these fields existed reads as the timed code
@@ -605,11 +638,13 @@ def test_gpu_tma_dq_first_bf16(op, B, T, H):
     # joint_tma's "dq_first" phase-2 order at 8 and 4 warps (4: two CTAs per SM), and P's tiles kept from phase 1
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
-    for warps, column, p_tiles in ((8, "scratch", "recompute"), (4, "scratch", "recompute"),
-                                   (8, "gamma_t", "recompute"), (4, "gamma_t", "stored")):
+    for warps, column, p_tiles, k_split in ((8, "scratch", "recompute", 1), (4, "scratch", "recompute", 1),
+                                            (8, "gamma_t", "recompute", 1), (4, "gamma_t", "stored", 1),
+                                            (4, "gamma_t", "recompute", 2), (4, "scratch", "recompute", 2)):
         s = _gpu_default().replace(consumer="joint_tma", consumer_order="dq_first", column_side=column,
-                                   p_tiles=p_tiles, consumer_cfg={"num_warps": warps})
-        assert_bf16(run_triton(x, s), ref, f"gpu {op} {B},{T},{H} joint_tma dq_first {column} {p_tiles} {warps} warps")
+                                   p_tiles=p_tiles, consumer_cfg={"num_warps": warps}, consumer_k_split=k_split)
+        assert_bf16(run_triton(x, s), ref,
+                    f"gpu {op} {B},{T},{H} joint_tma dq_first {column} {p_tiles} {warps} warps k_split {k_split}")
 
 
 @pytest.mark.gpu
@@ -642,10 +677,12 @@ def test_gpu_head_dims(op, KV):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("consumer", ["joint", "separate", "joint_tma"])
+@pytest.mark.parametrize("consumer", ["joint", "separate", "joint_tma", "joint_tma-k2"])
 def test_gpu_run_twice_bitwise(consumer):
+    # joint_tma-k2: two programs per chunk, the row gradients summed from parts in a fixed order
     x = make_inputs("gdn", 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
-    s = _with_consumer(_gpu_default(), consumer)
+    s = _with_consumer(_gpu_default(), consumer.removesuffix("-k2"))
+    s = s.replace(consumer_k_split=2) if consumer.endswith("-k2") else s
     a, b = run_triton(x, s), run_triton(x, s)
     for n in NAMES:
         assert torch.equal(a[n], b[n]), n
@@ -869,20 +906,28 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     sig = {n: d4(64) for n in ("q_d", "k_d", "v_d", "r_d", "rb_d", "do_d", "dq_d", "dk_d", "dv_d")}
     sig.update({"a_d": d4(64), "s0_d": f"tensordesc<{dt}[1, 64, 64]>", "ds1_d": f"tensordesc<{dt}[1, 64, 64]>"})
     sig.update({"G": "*fp32", "erase": p, "write": p, "dg": "*fp32", "derase": p, "dwrite": p})
-    sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32"})
+    sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32", "n_tok": "i32"})
     sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ",
-                                         "GAMMA_T", "STORE_P")})
-    for use_g, split, gamma_t, store_p, nw in ((True, False, False, False, 8), (False, False, False, False, 8),
-                                               (True, True, False, False, 8), (True, True, False, False, 4),
-                                               (True, False, True, False, 8), (False, True, True, False, 4),
-                                               (True, True, True, True, 4), (False, False, False, True, 8)):
+                                         "GAMMA_T", "STORE_P", "KSPLIT")})
+    for use_g, split, gamma_t, store_p, nw, ks in ((True, False, False, False, 8, 1), (False, False, False, False, 8, 1),
+                                                   (True, True, False, False, 8, 1), (True, True, False, False, 4, 1),
+                                                   (True, False, True, False, 8, 1), (False, True, True, False, 4, 1),
+                                                   (True, True, True, True, 4, 1), (False, False, False, True, 8, 1),
+                                                   (True, True, True, False, 4, 2), (False, True, True, False, 4, 2)):
         # the column-side scratch is one of two buffers: the other is passed as None (a constexpr); so is P's
         sig_g = {**sig, "dk_col": "constexpr" if gamma_t else "*fp32", "gam": p if gamma_t else "constexpr",
                  "pst": p if store_p else "constexpr"}
         compile_(consumer_tma.rewy_bwd_kernel_consumer_tma, sig_g,
                  {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "PREC": "tf32",
-                  "ONE_BETA": use_g, "SPLIT_DQ": split, "GAMMA_T": gamma_t, "STORE_P": store_p,
+                  "ONE_BETA": use_g, "SPLIT_DQ": split, "GAMMA_T": gamma_t, "STORE_P": store_p, "KSPLIT": ks,
                   **({"dk_col": None} if gamma_t else {"gam": None}), **({} if store_p else {"pst": None})}, nw)
+    for has_w in (True, False):  # the k_split parts' sum (KDA-like two buffers, or one β)
+        compile_(consumer_tma.rewy_bwd_kernel_row_parts,
+                 {"derp": "*fp32", "dwp": "*fp32" if has_w else "constexpr", "dgp": "*fp32", "derase": p,
+                  "dwrite": p if has_w else "constexpr", "dg": "*fp32", "n_tok": "i32", "KSPLIT": "constexpr",
+                  "HAS_WRITE": "constexpr", "HAS_G": "constexpr", "BLOCK": "constexpr"},
+                 {"KSPLIT": 2, "HAS_WRITE": has_w, "HAS_G": True, "BLOCK": 1024,
+                  **({} if has_w else {"dwp": None, "dwrite": None})}, 4)
 print("compiled")
 """
 
