@@ -372,23 +372,10 @@ IN_ORDER = ["recompute on main", "forward_scan on main", "dv_local on main", "re
             "consumer on main"]
 
 
-@pytest.mark.parametrize("mode,policy,order", [
-    ("dv_local", "R", ["side waits main", "dv_local on side", "recompute on main", "forward_scan on main",
-                       "main waits side", "reverse_scan on main", "consumer on main"]),
-    ("reverse_scan", "R", ["side waits main", "dv_local on side", "recompute on main", "side waits main",
-                           "reverse_scan on side", "forward_scan on main", "main waits side", "consumer on main"]),
-    # policy A recomputing W: no forward scan, the reverse scan still waits for W
-    ("reverse_scan", "A", ["side waits main", "dv_local on side", "recompute on main", "side waits main",
-                           "reverse_scan on side", "main waits side", "consumer on main"]),
-    # the caller already runs on the pipeline's side stream: every stage in order, no wait
-    ("same stream", "R", IN_ORDER),
-])
-def test_side_stream_forks_and_joins_in_order(mode, policy, order, monkeypatch):
-    # The fork / join path on the interpreter, with stand-in streams that log each wait and the stream each stage
-    # launches on (the interpreter has none): every stage runs after what it reads, the results pass the gate
+def _stand_in_streams(monkeypatch, log, *, caller_on_side=False):
+    """Stand-in CUDA streams for the pipeline's fork / join path on the interpreter (which has none): each wait and
+    the stream each stage launches on go to `log`. Returns the pipeline module."""
     from rewy_tune.kernels.triton import pipeline
-
-    log = []
 
     class Stream:
         def __init__(self, name):
@@ -409,15 +396,33 @@ def test_side_stream_forks_and_joins_in_order(mode, policy, order, monkeypatch):
     def logged(name, fn):
         return lambda *a, **kw: log.append(f"{name} on {current[-1].name}") or fn(*a, **kw)
 
-    same = mode == "same stream"
     monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream)
-    monkeypatch.setattr(pipeline, "side_stream", lambda device: main if same else side)
+    monkeypatch.setattr(pipeline, "side_stream", lambda device: main if caller_on_side else side)
     monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
     for attr, name in (("run_dv_local", "dv_local"), ("recompute_wu", "recompute"),
                        ("forward_state_scan", "forward_scan"), ("reverse_state_scan", "reverse_scan"),
                        ("_scalar_consumer", "consumer")):
         monkeypatch.setattr(pipeline, attr, logged(name, getattr(pipeline, attr)))
+    return pipeline
+
+
+@pytest.mark.parametrize("mode,policy,order", [
+    ("dv_local", "R", ["side waits main", "dv_local on side", "recompute on main", "forward_scan on main",
+                       "main waits side", "reverse_scan on main", "consumer on main"]),
+    ("reverse_scan", "R", ["side waits main", "dv_local on side", "recompute on main", "side waits main",
+                           "reverse_scan on side", "forward_scan on main", "main waits side", "consumer on main"]),
+    # policy A recomputing W: no forward scan, the reverse scan still waits for W
+    ("reverse_scan", "A", ["side waits main", "dv_local on side", "recompute on main", "side waits main",
+                           "reverse_scan on side", "main waits side", "consumer on main"]),
+    # the caller already runs on the pipeline's side stream: every stage in order, no wait
+    ("same stream", "R", IN_ORDER),
+])
+def test_side_stream_forks_and_joins_in_order(mode, policy, order, monkeypatch):
+    # every stage runs after what it reads, and the results pass the gate
+    log = []
+    same = mode == "same stream"
+    _stand_in_streams(monkeypatch, log, caller_on_side=same)
     x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=41)
     s = BASE.replace(side_stream="reverse_scan" if same else mode)
     assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"side stream {mode} {policy}")
@@ -426,22 +431,8 @@ def test_side_stream_forks_and_joins_in_order(mode, policy, order, monkeypatch):
 
 def test_side_stream_joins_when_a_stage_raises(monkeypatch):
     # an exception between fork and join still joins: dv_local's buffer is freed only after the side stream's work
-    from rewy_tune.kernels.triton import pipeline
-
     log = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(f"{self.name} waits {other.name}")
-
-    main, side = Stream("main"), Stream("side")
-    monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream)
-    monkeypatch.setattr(pipeline, "side_stream", lambda device: side)
-    monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(pipeline.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    pipeline = _stand_in_streams(monkeypatch, log)
 
     def fails(*a, **kw):
         raise RuntimeError("forward scan failed")
@@ -450,7 +441,8 @@ def test_side_stream_joins_when_a_stage_raises(monkeypatch):
     x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=43)
     with pytest.raises(RuntimeError, match="forward scan failed"):
         run_triton(x, BASE.replace(side_stream="reverse_scan"))
-    assert log == ["side waits main", "side waits main", "main waits side"]
+    assert log == ["side waits main", "dv_local on side", "recompute on main", "side waits main",
+                   "reverse_scan on side", "main waits side"]
 
 
 def test_dv_local_writes_a_given_buffer():
