@@ -69,6 +69,8 @@ def variants_for(op: str, base):
             out[name] = base.replace(consumer_cfg=cfg)
         # (tf32x3 with bf16 inputs: illegal memory access on the H200 since the sliced consumer; rejected on sm_9x)
         out["fscan-w8"] = base.replace(forward_scan={"num_warps": 8})
+        # session 15: two programs per chunk, each over half the feature tiles (32 programs at (1, 512, 4))
+        out["cons-k2"] = base.replace(consumer_k_split=2)
         out["fscan-bv64"] = base.replace(forward_scan={"block_v": 64})
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)

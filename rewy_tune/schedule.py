@@ -41,8 +41,9 @@ leave SMs idle where B·H is small: one program per state tile, one CTA per SM):
 "reverse_scan" also runs the reverse scan there, once the recompute stage has made W, beside the forward scan (the
 reverse scan reads W and dv_local, never S0 or R), joined before the consumer. Off CUDA, or where no stage runs
 before the reverse scan (policy A with the forward's W), every stage runs in order. ``consumer_k_split`` is read
-only by joint_tma: the programs per chunk, each running phase 1 and its share of phase 2's K tiles, the row
-gradients summed from fp32 parts (more programs where B·H is small, phase 1 repeated).
+by joint_tma and the vector consumers (not the scalar pointer ones): up to that many programs per chunk, each
+running phase 1 and its share of phase 2's K tiles, the row gradients summed over K from fp32 parts (more
+programs where B·H is small, phase 1 repeated).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class Schedule:
     p_tiles: str = "recompute"  # joint_tma's P in phase 2: recomputed per K tile, or "stored" in phase 1 and read back
     w_source: str = "recompute"  # policy A: W recomputed in the backward, or kept from the "forward"
     side_stream: str = "none"  # stages on a second CUDA stream: "dv_local", or it and the "reverse_scan" too
-    consumer_k_split: int = 1  # joint_tma: programs per chunk, each over its share of the K tiles
+    consumer_k_split: int = 1  # joint_tma / vector consumers: programs per chunk, each over a share of the K tiles
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:

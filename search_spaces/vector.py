@@ -78,7 +78,7 @@ __all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PREC
 # dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
 # not sample it (each such trial would otherwise have duplicates that differ in an unread field).
 CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.items()
-                                             if n not in scalar.TMA_ONLY_FIELDS},
+                                             if n not in (*scalar.TMA_ONLY_FIELDS, "consumer_k_split")},
                                           "dv_local.block_k": ("dv_local_source", "recompute")}
 
 

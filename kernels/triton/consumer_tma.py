@@ -59,8 +59,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from rewy_tune.schedule import CONSUMER_K_SPLITS as K_SPLITS
+
 from .local import (_check_consumer_args, _chunk_prologue, _dk_rows, _dq_rows, _gamma_matrices, _row_gates,
-                    _store_row_grads)
+                    _store_row_grads, sum_row_parts)
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -267,33 +269,6 @@ def rewy_bwd_kernel_consumer_tma(
                      ONE_BETA, USE_G)
 
 
-K_SPLITS = (1, 2, 4)  # Schedule.consumer_k_split
-ROW_PARTS_BLOCK = 1024
-
-
-@triton.jit
-def rewy_bwd_kernel_row_parts(derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT: tl.constexpr,
-                              HAS_WRITE: tl.constexpr, HAS_G: tl.constexpr, BLOCK: tl.constexpr):
-    """d_erase, d_write and dg from the k_split programs' fp32 parts ([KSPLIT, n_tok] each), summed in part order
-    (the same bits every run) and cast to the outputs' dtypes in one launch."""
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = o < n_tok
-    b_e = tl.zeros([BLOCK], dtype=tl.float32)
-    b_w = tl.zeros([BLOCK], dtype=tl.float32)
-    b_g = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in tl.static_range(KSPLIT):
-        b_e += tl.load(derp + i * n_tok + o, mask=m, other=0.0)
-        if HAS_WRITE:
-            b_w += tl.load(dwp + i * n_tok + o, mask=m, other=0.0)
-        if HAS_G:
-            b_g += tl.load(dgp + i * n_tok + o, mask=m, other=0.0)
-    tl.store(derase + o, b_e.to(derase.dtype.element_ty), mask=m)
-    if HAS_WRITE:
-        tl.store(dwrite + o, b_w.to(dwrite.dtype.element_ty), mask=m)
-    if HAS_G:
-        tl.store(dg + o, b_g, mask=m)
-
-
 def tma_supported(*tensors: torch.Tensor) -> bool:
     """Whether every tensor meets TMA's layout rules: 16-byte aligned base and 16-byte multiple strides (but the
     last, which must be 1). The pipeline uses the pointer consumer when this is False."""
@@ -361,8 +336,5 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         num_stages=num_stages,
     )
     if k_split > 1:
-        n_tok = B * T * H
-        rewy_bwd_kernel_row_parts[(triton.cdiv(n_tok, ROW_PARTS_BLOCK),)](
-            derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT=k_split, HAS_WRITE=dwrite is not None,
-            HAS_G=dg is not None, BLOCK=ROW_PARTS_BLOCK)
+        sum_row_parts(derp, dwp, dgp, derase, dwrite, dg)
     return dq, dk, dv, dg, derase, dwrite

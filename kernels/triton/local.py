@@ -296,6 +296,40 @@ def _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb
         tl.store(dg + tok, tl.cumsum(b_out, axis=0, reverse=True), mask=m_row)
 
 
+ROW_PARTS_BLOCK = 1024
+
+
+@triton.jit
+def rewy_bwd_kernel_row_parts(derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT: tl.constexpr,
+                              HAS_WRITE: tl.constexpr, HAS_G: tl.constexpr, BLOCK: tl.constexpr):
+    """d_erase, d_write and dg from a consumer's k_split programs' fp32 parts ([KSPLIT, n_tok] each), summed in
+    part order (the same bits every run) and cast to the outputs' dtypes in one launch."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n_tok
+    b_e = tl.zeros([BLOCK], dtype=tl.float32)
+    b_w = tl.zeros([BLOCK], dtype=tl.float32)
+    b_g = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(KSPLIT):
+        b_e += tl.load(derp + i * n_tok + o, mask=m, other=0.0)
+        if HAS_WRITE:
+            b_w += tl.load(dwp + i * n_tok + o, mask=m, other=0.0)
+        if HAS_G:
+            b_g += tl.load(dgp + i * n_tok + o, mask=m, other=0.0)
+    tl.store(derase + o, b_e.to(derase.dtype.element_ty), mask=m)
+    if HAS_WRITE:
+        tl.store(dwrite + o, b_w.to(dwrite.dtype.element_ty), mask=m)
+    if HAS_G:
+        tl.store(dg + o, b_g, mask=m)
+
+
+def sum_row_parts(derp, dwp, dgp, derase, dwrite, dg) -> None:
+    """Sum the [k, ...] fp32 parts derp (and dwp, dgp where not None) into derase (dwrite, dg), all [B,T,H]."""
+    n_tok = derase.numel()
+    rewy_bwd_kernel_row_parts[(triton.cdiv(n_tok, ROW_PARTS_BLOCK),)](
+        derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT=derp.shape[0], HAS_WRITE=dwp is not None,
+        HAS_G=dgp is not None, BLOCK=ROW_PARTS_BLOCK)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_consumer(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,

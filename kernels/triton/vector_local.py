@@ -38,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rewy_tune.schedule import CONSUMER_K_SPLITS as K_SPLITS
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .local import _chunk_prologue, _output_like
+from .local import _chunk_prologue, _output_like, sum_row_parts
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
@@ -251,14 +252,18 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
     dq, dk, dv, hd, dg, derase, dwrite, paths,
-    T, NT, scale,
+    T, NT, scale, n_tok,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
-    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr,
+    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
 ):
+    # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
+    # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
+    # alone; a scalar erase path (a sum over features) goes to fp32 parts that the launcher sums.
     i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
     i_bh = tl.program_id(1)
+    i_ks = tl.program_id(2)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
     DT = k.dtype.element_ty
     m_cc = m_row[:, None] & m_row[None, :]
@@ -268,6 +273,8 @@ def rewy_bwd_kernel_consumer_vector(
     NC: tl.constexpr = BT // BC
     # H_< and D: rows of 2·BT fp32 in the scratch (H then D); the separate consumer reads D from the producer.
     HS: tl.constexpr = 2 * BT
+    if KSPLIT > 1:  # one H_< | D scratch per program
+        hd += i_ks * n_tok * HS
     if JOINT:
         d_base = hd + BT
         DS: tl.constexpr = 2 * BT
@@ -305,13 +312,17 @@ def rewy_bwd_kernel_consumer_vector(
         b_H += mm(b_do.to(DT), b_rt.to(DT), PREC)
         b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
         b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
+        if KSPLIT == 1:
+            m_out = m_rv
+        else:  # dv and the write path: part 0 stores them
+            m_out = m_rv & (i_ks == 0)
         if WRITE_VEC:
             b_wv = tl.load(write + p_v, mask=m_rv, other=0.0).to(tl.float32)
-            tl.store(dv + p_v, (b_wv * b_p).to(dv.dtype.element_ty), mask=m_rv)
-            tl.store(dwrite + p_v, (b_vv * b_p).to(dwrite.dtype.element_ty), mask=m_rv)
+            tl.store(dv + p_v, (b_wv * b_p).to(dv.dtype.element_ty), mask=m_out)
+            tl.store(dwrite + p_v, (b_vv * b_p).to(dwrite.dtype.element_ty), mask=m_out)
         else:
             b_dwr += tl.sum(b_vv * b_p, axis=1)
-            tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_rv)
+            tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_out)
     p_hd = tok[:, None] * HS + o_i[None, :]
     tl.store(hd + p_hd, tl.where(m_lt, b_H, 0.0), mask=m_row[:, None])  # H_<: the diagonal enters elementwise
     if JOINT:
@@ -319,7 +330,14 @@ def rewy_bwd_kernel_consumer_vector(
     tl.debug_barrier()  # the slices below are read by other threads of this program
 
     # Phase 2, per feature tile (a run-time loop: one copy of the large body, whatever K / BK).
-    for i_k in range(0, NK):
+    if KSPLIT == 1:
+        k_lo = 0
+        k_hi = NK
+    else:
+        NKP: tl.constexpr = (NK + KSPLIT - 1) // KSPLIT
+        k_lo = i_ks * NKP
+        k_hi = tl.minimum(k_lo + NKP, NK)
+    for i_k in range(k_lo, k_hi):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_rk = m_row[:, None] & m_k[None, :]
@@ -479,9 +497,14 @@ def rewy_bwd_kernel_consumer_vector(
         tl.store(dg + p_rk, tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True), mask=m_rk)
 
     if not ERASE_VEC:
+        if KSPLIT > 1:  # this program's part of the sum over feature tiles (fp32 parts)
+            derase += i_ks * n_tok
         tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
     if not WRITE_VEC:
-        tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+        if KSPLIT == 1:
+            tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+        else:
+            tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row & (i_ks == 0))
 
 
 def _check_vector_gate(G, shape) -> None:
@@ -508,8 +531,9 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                    intra: str = "auto", intra_precision: str = "ieee"):
-    """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise.
+                    intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1):
+    """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
+    programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
 
     Returns (dq, dk, dv, dg, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
@@ -533,25 +557,33 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
+    if k_split not in K_SPLITS:
+        raise ValueError(f"k_split must be one of {K_SPLITS}, got {k_split!r}")
+    NK = triton.cdiv(K, BK)
+    k_split = min(k_split, NK)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    hd = torch.empty(B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)  # H_< | D rows
+    # H_< | D rows, one scratch per program of a chunk
+    hd = torch.empty(k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
     dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     derase = torch.empty_like(erase)
     dwrite = torch.empty_like(write)
-    NK = triton.cdiv(K, BK)
+    scalar_erase_parts = k_split > 1 and erase.dim() == 3
+    derp = torch.empty(k_split, B, T, H, dtype=torch.float32, device=q.device) if scalar_erase_parts else derase
     paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
-    rewy_bwd_kernel_consumer_vector[(NT, B * H)](
+    rewy_bwd_kernel_consumer_vector[(NT, B * H, k_split)](
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-        dq, dk, dv, hd, dg, derase, dwrite, paths,
-        T, NT, float(scale),
+        dq, dk, dv, hd, dg, derp, dwrite, paths,
+        T, NT, float(scale), B * T * H,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
         ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
         INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
-        IPREC=_intra_precision(intra_precision),
+        IPREC=_intra_precision(intra_precision), KSPLIT=k_split,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if scalar_erase_parts:
+        sum_row_parts(derp, None, None, derase, None, None)
     return dq, dk, dv, dg, derase, dwrite, paths
 
 
@@ -614,7 +646,7 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
 
     def consumer(*args, **kwargs):
         *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,
-                                        **kwargs)
+                                        k_split=schedule.consumer_k_split, **kwargs)
         if intra_paths is not None:
             intra_paths["flags"] = flags
         return grads

@@ -914,7 +914,7 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
                   "ONE_BETA": use_g, "SPLIT_DQ": split, "GAMMA_T": gamma_t, "STORE_P": store_p, "KSPLIT": ks,
                   **({"dk_col": None} if gamma_t else {"gam": None}), **({} if store_p else {"pst": None})}, nw)
     for has_w in (True, False):  # the k_split parts' sum (KDA-like two buffers, or one β)
-        compile_(consumer_tma.rewy_bwd_kernel_row_parts,
+        compile_(local.rewy_bwd_kernel_row_parts,
                  {"derp": "*fp32", "dwp": "*fp32" if has_w else "constexpr", "dgp": "*fp32", "derase": p,
                   "dwrite": p if has_w else "constexpr", "dg": "*fp32", "n_tok": "i32", "KSPLIT": "constexpr",
                   "HAS_WRITE": "constexpr", "HAS_G": "constexpr", "BLOCK": "constexpr"},

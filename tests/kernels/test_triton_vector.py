@@ -187,6 +187,23 @@ def test_separate_consumer(op, name, policy):
     assert_gates(run_triton(x, SEPARATE[name], policy), oracle(x), ctx=f"{op} {name} {policy}")
 
 
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
+@pytest.mark.parametrize("k_split", [2, 4])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_consumer_k_split(op, k_split, consumer):
+    # up to k programs per chunk over K = 48 in three 16-wide feature tiles (k 2: shares of two and one; k 4 is
+    # lowered to 3): the same dq, dk, dv, dg, write path and (a vector erase path) as one program, the scalar erase
+    # path (KDA's β) summed from parts to fp32 rounding; both policies' tails (T = 100), NaN-poisoned outputs
+    x = make_inputs(op, 1, 100, 2, 48, 32, seed=17)
+    base = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16}, forward_scan={"block_k": 64},
+                        reverse_scan={"block_k": 64})
+    one, split = run_triton(x, base), run_triton(x, base.replace(consumer_k_split=k_split))
+    for n in NAMES:
+        if one[n] is not None:
+            assert torch.isfinite(split[n]).all() and rel_rms(split[n], one[n]) <= 1e-6, n
+    assert_gates(run_triton(x, base.replace(consumer_k_split=k_split), "A"), oracle(x), ctx=f"{op} k{k_split} A")
+
+
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_no_initial_state_no_dht(op):
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=3, h0=False, dht=False)
