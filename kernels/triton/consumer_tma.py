@@ -115,7 +115,7 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
     return b_brow, b_gb_col
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
     G, erase, write, dk_col, gam, pst, dg, derase, dwrite,

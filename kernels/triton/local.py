@@ -299,7 +299,7 @@ def _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb
 ROW_PARTS_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])  # one binary whatever B·T·H
 def rewy_bwd_kernel_row_parts(derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT: tl.constexpr,
                               HAS_WRITE: tl.constexpr, HAS_G: tl.constexpr, BLOCK: tl.constexpr):
     """d_erase, d_write and dg from a consumer's k_split programs' fp32 parts ([KSPLIT, n_tok] each), summed in

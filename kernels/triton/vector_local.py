@@ -248,7 +248,7 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
     return m, tok, tok[:, None] * K + o_k[None, :], m[:, None] & m_k[None, :]
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
     dq, dk, dv, hd, dg, derase, dwrite, paths,
