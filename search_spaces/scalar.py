@@ -75,7 +75,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "column_side": ["scratch", "gamma_t"],
         "p_tiles": ["recompute", "stored"],
         "side_stream": ["none", "dv_local", "reverse_scan"],
-        # no more programs per chunk than K tiles of the narrowest consumer tile (16): a wider split is rejected
+        # no more programs per chunk than K tiles of the narrowest consumer tile (16): the consumers lower a wider one
         "consumer_k_split": [s for s in (1, 2, 4) if s <= -(-K // 16)],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
@@ -225,7 +225,6 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
         reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
                        "multiples of 8 (the pipeline would run the pointer kernel instead)")
     return reasons
-
 
 
 # A Triton 3.6 miscompile on the H200 (sm_90, 16-bit inputs): the recompute stage with 4 warps and a feature tile

@@ -59,10 +59,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rewy_tune.schedule import CONSUMER_K_SPLITS as K_SPLITS
-
 from .local import (_check_consumer_args, _chunk_prologue, _dk_rows, _dq_rows, _gamma_matrices, _row_gates,
-                    _store_row_grads, sum_row_parts)
+                    _store_row_grads, programs_per_chunk, sum_row_parts)
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -130,14 +128,15 @@ def rewy_bwd_kernel_consumer_tma(
     i_ks = tl.program_id(2)  # this program's share of the K tiles (consumer_k_split)
     NK: tl.constexpr = (K + BK - 1) // BK
     NKP: tl.constexpr = (NK + KSPLIT - 1) // KSPLIT
+    if KSPLIT == 1:  # this program's slot in the per-chunk scratches (gam, pst): one per program
+        i_scr = i_s.to(tl.int64)
+    else:
+        i_scr = (i_s * KSPLIT + i_ks).to(tl.int64)
     bos = (i_b * T * H + i_h).to(tl.int64)
     if not GAMMA_T:
         dk_col += bos * K
     if STORE_P:
-        if KSPLIT == 1:
-            pst += i_s.to(tl.int64) * BT * V
-        else:  # one scratch per program
-            pst += (i_s * KSPLIT + i_ks).to(tl.int64) * BT * V
+        pst += i_scr * BT * V
     DT = k_d.dtype
 
     b_e = tl.load(erase + tok, mask=m_row, other=0.0).to(tl.float32)
@@ -173,10 +172,7 @@ def rewy_bwd_kernel_consumer_tma(
     if GAMMA_T:
         # Γ_q, Γ_r once through this chunk's scratch, read back transposed (a loaded tile, not tl.trans of an MMA
         # result: FLA issue 640): dk's column side then comes out as rows, without the fp32 dk_col round trip
-        if KSPLIT == 1:
-            gam += i_s.to(tl.int64) * 2 * BT * BT
-        else:  # one scratch per program
-            gam += (i_s * KSPLIT + i_ks).to(tl.int64) * 2 * BT * BT
+        gam += i_scr * 2 * BT * BT
         o_c = tl.arange(0, BT)
         tl.store(gam + o_i[:, None] * BT + o_c[None, :], b_gq)
         tl.store(gam + BT * BT + o_i[:, None] * BT + o_c[None, :], b_gr)
@@ -293,12 +289,10 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     docstring)."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
-    if k_split not in K_SPLITS:
-        raise ValueError(f"k_split must be one of {K_SPLITS}, got {k_split!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk_size)
-    k_split = min(k_split, triton.cdiv(K, BK))  # at most one program per K tile
+    k_split = programs_per_chunk(k_split, K, BK)
     _check_consumer_args(q, v, G, erase, write, S0, dS1, chunk_size, one_beta)
     if not tma_supported(q, k, v, R, Rbar, do, A, S0, dS1):
         raise ValueError("consumer 'joint_tma' needs 16-byte aligned tensors with 16-byte multiple strides "

@@ -61,6 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rewy_tune.schedule import CONSUMER_K_SPLITS
+
 # One definition of the dot precision rule (and its interpreter workaround) for every stage.
 from .recompute import dot_precision
 from .recompute import mm as _mma
@@ -297,6 +299,13 @@ def _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb
 
 
 ROW_PARTS_BLOCK = 1024
+
+
+def programs_per_chunk(k_split: int, K: int, BK: int) -> int:
+    """A consumer's programs per chunk for Schedule.consumer_k_split: k_split, but at most one per K tile."""
+    if k_split not in CONSUMER_K_SPLITS:
+        raise ValueError(f"k_split must be one of {CONSUMER_K_SPLITS}, got {k_split!r}")
+    return min(k_split, triton.cdiv(K, BK))
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # one binary whatever B·T·H

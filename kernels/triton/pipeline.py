@@ -14,9 +14,9 @@ recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segm
 reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
 (joint_tma: `consumer_tma.py`, with consumer_order, column_side, p_tiles and consumer_k_split); cumsum →
 chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and
-recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under policy A with
-"forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages run on a
-second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
+recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
+policy A with "forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages
+run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
 ("reverse_scan") the reverse scan beside the forward scan too.
 """
 
@@ -248,9 +248,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     finally:
         if side is not None:
             main.wait_stream(side)  # join: the reverse scan (or, after it, the consumer) reads the side's results
-    for t in (dS1, Rbar, dh0):
-        if t is not None and t.is_cuda:  # (the CPU order test drives this path with stand-in streams)
-            t.record_stream(main)
+    if mode == "reverse_scan":  # the side stream made them
+        for t in (dS1, Rbar, dh0):
+            if t is not None and t.is_cuda:  # (the CPU order test drives this path with stand-in streams)
+                t.record_stream(main)
     if side is None:
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)

@@ -34,8 +34,9 @@ measurement, only the H200 can give that). Compiled without a GPU launch's 16-by
 found the gap): with them the BV 16 scans took 66 / 72 registers, no spills, 67 844 / 109 060 B of shared memory
 (cp.async-pipelined tile loads), matching ncu on the H200. Since session 13 the forward scan subtracts its
 products from U afterwards (U's tile pipelined too, S staged once for its store and its product): GDN 71
-registers, 73 988 B; the 16-bit default's reverse scan is BV 32 at 3 stages: 132 registers, 177 160 B. Since session 14 its forward scan is BV 32 at 4 stages
-(FLA's pick): DeltaNet 102 registers, 155 648 B; GDN 130, 156 428 B (one CTA per SM).
+registers, 73 988 B; the 16-bit default's reverse scan is BV 32 at 3 stages: 132 registers, 177 160 B. Since
+session 14 its forward scan is BV 32 at 4 stages (FLA's pick): DeltaNet 102 registers, 155 648 B; GDN 130,
+156 428 B (one CTA per SM).
 
     kernel      BV   before (one 128-row tile)            after (two 64-row register blocks)
     fwd scan    16   255 / 0    / 20 740 | 255 / 0    / 22 788     255 / 0   / 10 500 | 255 / 0   / 10 500

@@ -38,10 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rewy_tune.schedule import CONSUMER_K_SPLITS as K_SPLITS
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .local import _chunk_prologue, _output_like, sum_row_parts
+from .local import _chunk_prologue, _output_like, programs_per_chunk, sum_row_parts
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
@@ -557,10 +556,8 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
-    if k_split not in K_SPLITS:
-        raise ValueError(f"k_split must be one of {K_SPLITS}, got {k_split!r}")
     NK = triton.cdiv(K, BK)
-    k_split = min(k_split, NK)
+    k_split = programs_per_chunk(k_split, K, BK)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

@@ -901,11 +901,11 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32", "n_tok": "i32"})
     sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ",
                                          "GAMMA_T", "STORE_P", "KSPLIT")})
-    for use_g, split, gamma_t, store_p, nw, ks in ((True, False, False, False, 8, 1), (False, False, False, False, 8, 1),
-                                                   (True, True, False, False, 8, 1), (True, True, False, False, 4, 1),
-                                                   (True, False, True, False, 8, 1), (False, True, True, False, 4, 1),
-                                                   (True, True, True, True, 4, 1), (False, False, False, True, 8, 1),
-                                                   (True, True, True, False, 4, 2), (False, True, True, False, 4, 2)):
+    for use_g, split, gamma_t, store_p, nw, ks in (
+            (True, False, False, False, 8, 1), (False, False, False, False, 8, 1), (True, True, False, False, 8, 1),
+            (True, True, False, False, 4, 1), (True, False, True, False, 8, 1), (False, True, True, False, 4, 1),
+            (True, True, True, True, 4, 1), (False, False, False, True, 8, 1), (True, True, True, False, 4, 2),
+            (False, True, True, False, 4, 2)):
         # the column-side scratch is one of two buffers: the other is passed as None (a constexpr); so is P's
         sig_g = {**sig, "dk_col": "constexpr" if gamma_t else "*fp32", "gam": p if gamma_t else "constexpr",
                  "pst": p if store_p else "constexpr"}
