@@ -370,6 +370,10 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # Policy A keeps the forward's W (FLA's w): no recompute stage. Bench, session 15: GDN A 1.384 ->
             # 1.457x FLA, DeltaNet A 1.052 -> 1.115x (RESULTS.md). Policy R does not read the field.
             w_source="forward",
+            # Policy R: the reverse scan on a second stream beside the forward scan (it reads W and dv_local only).
+            # Sweep, session 16 (DeltaNet R): (1, 512, 4) 0.0554 -> 0.0420 ms, (1, 2048, 16) 0.1768 -> 0.1431,
+            # (1, 8192, 16) 0.6580 -> 0.5168 (RESULTS.md). Policy A with the forward's W has no stage to overlap.
+            side_stream="reverse_scan",
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

@@ -199,7 +199,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     else:
         G = G.to(torch.float32).contiguous()
 
-    split_limit = split_program_limit(sc.scan_split_waves, k.device)
     dl, rs = sc.dv_local, sc.reverse_scan
 
     def run_reverse_scan(dvl):
@@ -218,6 +217,12 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     side = side_stream(k.device) if mode != "none" else None
     if side is not None and side == main:  # the caller already runs on our stream: nothing to overlap
         mode, main, side = "none", None, None
+    split_limit = split_program_limit(sc.scan_split_waves, k.device)
+    if mode == "reverse_scan":
+        # the two scans run at once and share the SMs: each splits as if it had half of them. Session 16 sweep,
+        # DeltaNet (1, 2048, 4) R: reverse scan in 4 segments beside the forward's 4 (64 + 64 programs) 0.081 ms,
+        # in 8 (64 + 128) 0.088 ms (benchmarks/RESULTS.md)
+        split_limit = max(1, split_limit // 2) if split_limit > 0 else 0  # (0 means no limit)
     dS1 = Rbar = dh0 = None
     try:
         if side is not None:  # fork: dv_local reads q, k, G and dO only

@@ -445,6 +445,25 @@ def test_side_stream_joins_when_a_stage_raises(monkeypatch):
                    "reverse_scan on side", "main waits side"]
 
 
+@pytest.mark.parametrize("mode,waves,limit", [("dv_local", 2, 16), ("reverse_scan", 2, 8), ("reverse_scan", 0, 0)])
+def test_scans_side_by_side_split_on_half_the_sms(mode, waves, limit, monkeypatch):
+    # beside each other the two scans share the SMs: each gets half the split limit (waves x 8 interpreter SMs);
+    # waves 0 (no limit) stays unlimited
+    pipeline = _stand_in_streams(monkeypatch, [])
+    limits = {}
+
+    def recorded(name):
+        fn = getattr(pipeline, name)
+        return lambda *a, **kw: limits.setdefault(name, kw["split_max_programs"]) is None or fn(*a, **kw)
+
+    for name in ("forward_state_scan", "reverse_state_scan"):
+        monkeypatch.setattr(pipeline, name, recorded(name))
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=47)
+    assert_gates(run_triton(x, BASE.replace(side_stream=mode, scan_split_waves=waves)), oracle(x),
+                 ctx=f"side stream {mode}, waves {waves}")
+    assert limits == {"forward_state_scan": limit, "reverse_state_scan": limit}
+
+
 def test_dv_local_writes_a_given_buffer():
     # the side stream writes dv_local into a buffer the main stream allocated: same values, the buffer returned
     from rewy_tune.kernels.triton.local import dv_local
