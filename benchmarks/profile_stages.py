@@ -18,6 +18,7 @@ import json
 import torch
 
 from rewy_tune import autotune_parts, fla_baseline, measure, warmup
+from rewy_tune.cli import bench
 from rewy_tune.search_spaces import constraint, default_schedule
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
@@ -72,6 +73,13 @@ def variants_for(op: str, base):
         # session 15: two programs per chunk, each over half the feature tiles (32 programs at (1, 512, 4))
         out["cons-k2"] = base.replace(consumer_k_split=2)
         out["fscan-bv64"] = base.replace(forward_scan={"block_v": 64})
+        # session 16: FLA's KDA scans run 32-wide state tiles with 16-bit states, 12-13 us each at (1, 512, 4)
+        # against ours at 128 x 128 / 128 x 64 in fp32, split, 28-32 us (the vector reverse scan at 3 stages needs
+        # 287 744 B of shared memory: 2 stages)
+        fwd32, rev32 = {"block_v": 32, "num_stages": 4}, {"block_v": 32, "num_stages": 2}
+        out["fscan-bv32"] = base.replace(forward_scan=fwd32)
+        out["scans-bv32"] = base.replace(forward_scan=fwd32, reverse_scan=rev32)
+        out["scans-bv32-bf16"] = base.replace(forward_scan=fwd32, reverse_scan=rev32, state_dtype="input")
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:
@@ -169,13 +177,17 @@ def main():
     p.add_argument("--json", default=None, help="write {op: {variant: {shape: [ours_ms, fla_ms]}}}")
     p.add_argument("--variants", default=None,
                    help="comma-separated variant names to run (default: all); names an operator lacks are skipped")
+    p.add_argument("--set", action="append", default=None, metavar="FIELD=VALUE",
+                   help="change each operator's default before its variants are formed (as rewy-tune bench --set)")
     args = p.parse_args()
+    overrides = bench.parse_overrides(args.set)
     fla_baseline.bypass_hopper_guard()
     fla_baseline.autotune_here()  # FLA's picks are timed here, on an idle GPU, not read from the disk cache
     ops = OPS if args.op == "all" else (args.op,)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     cc = torch.cuda.get_device_capability()
-    plan = {op: variants_for(op, default_schedule(cc, K=128, V=128, op=op)) for op in ops}
+    plan = {op: variants_for(op, bench.apply_overrides(default_schedule(cc, K=128, V=128, op=op), overrides))
+            for op in ops}
     if args.variants:
         keep = {"default", *args.variants.split(",")}
         plan = {op: {n: s for n, s in variants.items() if n in keep} for op, variants in plan.items()}
