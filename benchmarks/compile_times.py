@@ -14,7 +14,7 @@ launches that one backward of an operator makes with a given schedule:
    of earlier sessions (benchmarks/RESULTS.md) overstate instructions and spills of the pointer kernels.
 
     python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
-                                       [--dtype bf16|fp32] [--gate] [--sass KERNEL,...]
+                                       [--dtype bf16|fp32] [--gate] [--sass KERNEL,...] [--kernels REGEX]
 
 --sass prints the named kernels' static SASS opcode counts (nvdisasm): spill loads/stores, barriers, tensor-core
 and global-memory instructions.
@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--gate", action="store_true", help="what one GPU trial compiles: gate cases and warm-up")
     ap.add_argument("--sass", default="", metavar="KERNELS",
                     help="comma-separated kernel names whose static SASS instruction mix is printed")
+    ap.add_argument("--kernels", default="", metavar="REGEX",
+                    help="compile only the launches whose kernel name matches (e.g. 'scan' for the two scans)")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -259,7 +261,12 @@ def main() -> None:
         pickle.dump(_record(args), open(args._file, "wb"))
         return
     if args._stage == "compile":
-        out = _compile(pickle.load(open(args._file, "rb")), set(filter(None, args.sass.split(","))))
+        launches = pickle.load(open(args._file, "rb"))
+        if args.kernels:
+            import re
+
+            launches = [rec for rec in launches if re.search(args.kernels, rec["name"])]
+        out = _compile(launches, set(filter(None, args.sass.split(","))))
         for name, s, shared, opts, usage in out:
             print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {usage}  {opts}")
         print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")

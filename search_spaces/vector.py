@@ -115,14 +115,15 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     est["recompute"] = 2 * C * C * e + 2 * C * max(rc.block_k, rc.block_v) * e
 
     # Scans. Every chunk step loads, per pipeline stage beyond the first (num_stages − 1 extra buffers): the
-    # forward scan's K_tᵀ and W (input dtype), Gᵀ (fp32: the vector gate) for all Kp state rows and G_n; the
+    # forward scan's K_tᵀ and W (input dtype), Gᵀ (fp32: the vector gate) for all Kp state rows, G_n, and U's
+    # [C, BV] tile (prefetched since the forward loop of session 13: the session-16 recompiles); the
     # reverse scan's k, qᵀ, Wᵀ (input dtype), G and Gᵀ (fp32), G_n, dO and dv_local [C, BV]. Besides: the
     # current state-block tiles (a [C, KB] fp32 gate block, a [C, Kp] input-dtype tile, the [C, BV] dot
     # operands; the forward scan's fitted 3/2·C·BV·e covers U and R).
     KB = min(STATE_BLOCK_ROWS, Kp)
     fs, rs = schedule.forward_scan, schedule.reverse_scan
     est["forward_scan"] = (C * KB * e + C * Kp * e + 3 * C * fs.block_v * e // 2
-                           + (fs.num_stages - 1) * (2 * C * Kp * e + C * Kp * 4 + Kp * 4))
+                           + (fs.num_stages - 1) * (2 * C * Kp * e + C * Kp * 4 + Kp * 4 + C * fs.block_v * e))
     est["reverse_scan"] = (C * KB * 4 + C * Kp * e + 2 * C * rs.block_v * e
                            + (rs.num_stages - 1) * (3 * C * Kp * e + 2 * C * Kp * 4 + Kp * 4 + 2 * C * rs.block_v * e))
 
@@ -301,6 +302,10 @@ VECTOR_H200 = {
     "scan_split_waves": 1,
     # Policy A keeps the forward's W (fla-core's w, out[5]): no recompute stage. Policy R does not read the field.
     "w_source": "forward",
+    # Policy R: the reverse scan on a second stream beside the forward scan, each split on half the SMs. Bench,
+    # session 16 (this schedule with --set side_stream=reverse_scan): KDA R 0.874 -> 1.034x FLA (session 15's
+    # bench), GDN2 R 1.188x (0.963x in session 11) (RESULTS.md).
+    "side_stream": "reverse_scan",
 }
 
 

@@ -158,10 +158,23 @@ AOT_SM90 = [
     ("reverse_scan", 256, 2, dict(reverse_scan=StageConfig(256, 16, 4, 1)), 20480),  # H200 default at K = 256
     ("reverse_scan", 256, 2, dict(reverse_scan=StageConfig(256, 16, 8, 2)), 283648),
     ("reverse_scan", 128, 4, dict(reverse_scan=StageConfig(128, 16, 4, 2)), 193024),  # fp32 inputs
-    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 16, 4, 2)), 92672),  # H200 default
-    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 128, 4, 3)), 181248),
-    ("forward_scan", 256, 2, dict(forward_scan=StageConfig(256, 64, 8, 2)), 181248),
-    ("forward_scan", 256, 2, dict(forward_scan=StageConfig(256, 128, 8, 2)), 197632),
+    # the forward scan recompiled in session 16 (benchmarks/compile_times.py --kernels fwd_scan): since the loop of
+    # session 13 it prefetches U's [C, BV] tile per stage; BV 32 at 4 stages failed on the H200 at 239 104 B
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 16, 4, 2)), 94720),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 16, 4, 4)), 230912),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 32, 4, 2)), 98816),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 32, 4, 3)), 168960),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 32, 4, 4)), 239104),  # H200: 239 104
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 64, 4, 3)), 181248),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 64, 4, 4)), 255488),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 128, 4, 2)), 131584),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 128, 4, 3)), 214016),  # H200 default
+    ("forward_scan", 128, 2, dict(state_dtype="input", forward_scan=StageConfig(128, 32, 4, 4)), 239104),
+    ("forward_scan", 64, 2, dict(forward_scan=StageConfig(64, 64, 4, 3)), 107008),
+    ("forward_scan", 64, 2, dict(forward_scan=StageConfig(64, 32, 4, 4)), 131840),
+    ("forward_scan", 256, 2, dict(forward_scan=StageConfig(256, 64, 8, 2)), 189440),
+    ("forward_scan", 256, 2, dict(forward_scan=StageConfig(256, 128, 8, 2)), 214016),
+    ("forward_scan", 128, 4, dict(forward_scan=StageConfig(128, 16, 4, 2)), 123392),  # fp32 inputs
     ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(64, 64, 8, 2)), 65536),
     ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(32, 128, 8, 2)), 90112),  # H200 default
     ("consumer_cfg", 128, 2, dict(consumer_cfg=StageConfig(32, 64, 8, 1)), 32768),
@@ -354,19 +367,23 @@ def test_every_builtin_default_keeps_the_forward_w_under_policy_a():
 
 
 def test_the_h200_vector_default_splits_the_reverse_scan_where_b_h_is_small():
-    # one wave of programs (session 15): the reverse scan (64-wide tiles) splits 8 ways at B·H = 4, 4 ways at
-    # B·H = 16 and not at B·H = 32; the forward scan (128-wide) 4 ways at all three
+    # one wave of programs (session 15). Policy A (the reverse scan alone): it splits (64-wide tiles) 8 ways at
+    # B·H = 4, 4 ways at B·H = 16, not at B·H = 32. Policy R runs it beside the forward scan (session 16), each on
+    # half the SMs: the forward scan (128-wide) 4 ways up to B·H = 16, the reverse scan 8 ways at B·H = 4 only
     from rewy_tune.kernels.triton.scan import VECTOR_SPLIT_OVERHEAD_STEPS, _segments
 
     d = vector.default_schedule((9, 0), op="kda")
-    limit = d.scan_split_waves * 132
+    assert d.side_stream == "reverse_scan"
+    alone = d.scan_split_waves * 132
 
-    def segments(BH, cfg, asked):
+    def segments(BH, cfg, asked, limit):
         return _segments(2048 // 64, asked, (128 // cfg.block_v) * BH, limit, VECTOR_SPLIT_OVERHEAD_STEPS)[0]
 
-    got = {BH: (segments(BH, d.forward_scan, d.forward_scan_segments),
-                segments(BH, d.reverse_scan, d.reverse_scan_segments)) for BH in (4, 16, 32)}
-    assert got == {4: (4, 8), 16: (4, 4), 32: (4, 1)}
+    policy_a = {BH: segments(BH, d.reverse_scan, d.reverse_scan_segments, alone) for BH in (4, 16, 32)}
+    assert policy_a == {4: 8, 16: 4, 32: 1}
+    policy_r = {BH: (segments(BH, d.forward_scan, d.forward_scan_segments, alone // 2),
+                     segments(BH, d.reverse_scan, d.reverse_scan_segments, alone // 2)) for BH in (4, 16, 32)}
+    assert policy_r == {4: (4, 8), 16: (4, 1), 32: (1, 1)}
 
 
 def test_every_call_site_asks_for_the_operators_default():
@@ -571,14 +588,19 @@ def test_the_h200_default_splits_the_scans_only_where_b_h_is_small(dtype):
     # (session 14). On the H200's 132 SMs, per bench shape: segments of the forward and the reverse scan.
     from rewy_tune.kernels.triton.scan import SPLIT_OVERHEAD_STEPS, _segments
 
+    # Policy R runs the two scans side by side (session 16), each split on half the SMs; under policy A the reverse
+    # scan runs alone on all of them.
     d = scalar.default_schedule((9, 0), dtype=dtype)
-    limit = d.scan_split_waves * 132
+    assert d.side_stream == "reverse_scan"
+    alone = d.scan_split_waves * 132
 
-    def segments(T, BH, cfg, asked):
+    def segments(T, BH, cfg, asked, limit):
         return _segments(T // 64, asked, (128 // cfg.block_v) * BH, limit, SPLIT_OVERHEAD_STEPS)[0]
 
-    got = {(T, BH): (segments(T, BH, d.forward_scan, d.forward_scan_segments),
-                     segments(T, BH, d.reverse_scan, d.reverse_scan_segments))
-           for T, BH in ((512, 4), (2048, 4), (8192, 4), (2048, 16), (2048, 32), (8192, 16))}
-    assert got == {(512, 4): (1, 1), (2048, 4): (4, 8), (8192, 4): (4, 8), (2048, 16): (1, 1), (2048, 32): (1, 1),
-                   (8192, 16): (1, 1)}
+    shapes = ((512, 4), (2048, 4), (8192, 4), (2048, 16), (2048, 32), (8192, 16))
+    policy_r = {(T, BH): (segments(T, BH, d.forward_scan, d.forward_scan_segments, alone // 2),
+                          segments(T, BH, d.reverse_scan, d.reverse_scan_segments, alone // 2)) for T, BH in shapes}
+    policy_a = {(T, BH): segments(T, BH, d.reverse_scan, d.reverse_scan_segments, alone) for T, BH in shapes}
+    assert policy_r == {(512, 4): (1, 1), (2048, 4): (4, 4), (8192, 4): (4, 4), (2048, 16): (1, 1),
+                        (2048, 32): (1, 1), (8192, 16): (1, 1)}
+    assert policy_a == {(512, 4): 1, (2048, 4): 8, (8192, 4): 8, (2048, 16): 1, (2048, 32): 1, (8192, 16): 1}

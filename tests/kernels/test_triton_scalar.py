@@ -706,11 +706,14 @@ def test_gpu_run_twice_bitwise(consumer):
 def test_gpu_side_stream(op, B, T, H):
     # dv_local (and the reverse scan) on a second stream beside the recompute stage and the forward scan: the same
     # kernels on the same inputs give the same bits as in order (a missing fork or join would race), and the gate
+    # waves 0 (no split limit): the scans split alike in order and beside each other (with a limit, side by side
+    # they split on half the SMs: test_scans_side_by_side_split_on_half_the_sms)
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
-    in_order = run_triton(x, _gpu_default().replace(side_stream="none"))
+    base = _gpu_default().replace(scan_split_waves=0)
+    in_order = run_triton(x, base.replace(side_stream="none"))
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     for mode in ("dv_local", "reverse_scan"):
-        beside = run_triton(x, _gpu_default().replace(side_stream=mode))
+        beside = run_triton(x, base.replace(side_stream=mode))
         for n in NAMES:
             if in_order[n] is not None:
                 assert torch.equal(in_order[n], beside[n]), (mode, n)

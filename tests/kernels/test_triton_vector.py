@@ -634,8 +634,10 @@ def test_gpu_strong_decay(op):
 def test_gpu_side_stream(op, source, mode):
     # dv_local (from q, k, G or from the forward's A_qk), and the reverse scan, on a second stream beside the
     # recompute stage and the forward scan: the same bits as in order, and the gate
+    # waves 0 (no split limit): the scans split alike in order and beside each other (with a limit, side by side
+    # they split on half the SMs: test_triton_scalar.py::test_scans_side_by_side_split_on_half_the_sms)
     x = make_inputs(op, 1, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=3, gate_div=16.0)
-    s = _gpu_schedule(128, op).replace(dv_local_source=source)
+    s = _gpu_schedule(128, op).replace(dv_local_source=source, scan_split_waves=0)
     in_order, beside = run_triton(x, s.replace(side_stream="none")), run_triton(x, s.replace(side_stream=mode))
     for n in NAMES:
         if in_order[n] is not None:
