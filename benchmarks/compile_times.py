@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-MODULES = ("recompute", "scan", "local", "consumer_tma", "vector_local", "cumsum")
+MODULES = ("recompute", "scan", "local", "consumer_tma", "query_side", "vector_local", "cumsum")
 TORCH_TO_TRITON = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
                    "torch.int32": "i32", "torch.int64": "i64"}
 

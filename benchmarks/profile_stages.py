@@ -114,6 +114,10 @@ def variants_for(op: str, base):
             out["tma-p-stored"] = base.replace(p_tiles="stored")
             # session 15: two programs per chunk, each over half the K tiles (32 programs at (1, 512, 4))
             out["tma-k2"] = base.replace(consumer_k_split=2)
+            # session 16: dq and Ḡ's query side in their own stage, beside the side stream's reverse scan (the
+            # consumer skips 6 of its 30 tile products: sm_90 GDN 4 040 -> 3 408 instructions; the stage 1 800)
+            out["dq-sep"] = base.replace(dq_stage="separate")
+            out["dq-sep-k2"] = base.replace(dq_stage="separate", consumer_k_split=2)
         w4, w4k32 = {"num_warps": 4}, {"num_warps": 4, "block_k": 32}
         for name, changes in (("tma-1stage", dict(consumer_cfg={"num_stages": 1})),
                               ("tma-w4", dict(consumer_cfg=w4)),

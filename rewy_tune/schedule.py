@@ -40,10 +40,13 @@ leave SMs idle where B·H is small: one program per state tile, one CTA per SM):
 "dv_local" runs dv_local beside the recompute stage and the forward scan, joined before the reverse scan;
 "reverse_scan" also runs the reverse scan there, once the recompute stage has made W, beside the forward scan (the
 reverse scan reads W and dv_local, never S0 or R), joined before the consumer. Off CUDA, or where no stage runs
-before the reverse scan (policy A with the forward's W), every stage runs in order. ``consumer_k_split`` is read
+before the reverse scan (policy A with the forward's W, unless dq_stage is "separate"), every stage runs in order. ``consumer_k_split`` is read
 by joint_tma and the vector consumers (not the scalar pointer ones): up to that many programs per chunk, each
 running phase 1 and its share of phase 2's K tiles, the row gradients summed over K from fp32 parts (more
-programs where B·H is small, phase 1 repeated).
+programs where B·H is small, phase 1 repeated). ``dq_stage`` is read by joint_tma only: "consumer" forms dq (and
+Ḡ's query side) in the consumer; "separate" forms them in a stage of their own (``kernels/triton/query_side.py``),
+which reads dO, R, S0, Q, K and G but nothing of the reverse scan, so it runs on the main stream while the side
+stream runs dv_local and the reverse scan (under policy A too), and the consumer skips its dO S0ᵀ and Γ_q K products.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ COLUMN_SIDES = ("scratch", "gamma_t")
 P_TILES = ("recompute", "stored")
 W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
+DQ_STAGES = ("consumer", "separate")
 CONSUMER_K_SPLITS = (1, 2, 4)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
@@ -142,6 +146,7 @@ class Schedule:
     w_source: str = "recompute"  # policy A: W recomputed in the backward, or kept from the "forward"
     side_stream: str = "none"  # stages on a second CUDA stream: "dv_local", or it and the "reverse_scan" too
     consumer_k_split: int = 1  # joint_tma / vector consumers: programs per chunk, each over a share of the K tiles
+    dq_stage: str = "consumer"  # joint_tma: dq formed in the consumer, or in its own stage beside the reverse scan
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -166,7 +171,7 @@ class Schedule:
                               ("intra_precision", INTRA_PRECISIONS),
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
                               ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES),
-                              ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS)):
+                              ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS), ("dq_stage", DQ_STAGES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

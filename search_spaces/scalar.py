@@ -35,7 +35,7 @@ SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
-TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles")
+TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
@@ -75,6 +75,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "column_side": ["scratch", "gamma_t"],
         "p_tiles": ["recompute", "stored"],
         "side_stream": ["none", "dv_local", "reverse_scan"],
+        "dq_stage": ["consumer", "separate"],
         # no more programs per chunk than K tiles of the narrowest consumer tile (16): the consumers lower a wider one
         "consumer_k_split": [s for s in (1, 2, 4) if s <= -(-K // 16)],
         "pd_dtype": ["fp32", "input"],

@@ -47,6 +47,12 @@ SMs); the split trades a repeated phase 1 (6 of the chunk's 30 tile products at 
 programs and half the serial chain each. sm_90 (the GDN H200 default at 4 warps): 255 registers either way, stack
 0 → 48 B with k_split 2. Not yet timed.
 
+``Schedule.dq_stage == "separate"`` (``dq`` given, ``DQ_GIVEN``): dq and Ḡ's query side come from the query-side
+stage (``query_side.py``), which ran beside the reverse scan; this kernel skips Q̄_g = dO S0ᵀ and A_Q = Γ_q K (6 of
+its 30 tile products at K = V = 128) and adds the given Ḡ_q to its row sums (program 0 of a chunk under k_split).
+It still forms H = dO Rᵀ: Γ_q is a term of dk's column side. sm_90 (GDN H200 default): 4 040 → 3 408 instructions,
+255 registers, no stack either way. Not yet timed.
+
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
 and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.
@@ -116,12 +122,12 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, pst, dg, derase, dwrite,
+    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq,
     T, NT, scale, n_tok,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
-    STORE_P: tl.constexpr, KSPLIT: tl.constexpr,
+    STORE_P: tl.constexpr, KSPLIT: tl.constexpr, DQ_GIVEN: tl.constexpr,
 ):
     i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
     i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
@@ -202,11 +208,12 @@ def rewy_bwd_kernel_consumer_tma(
         if SPLIT_DQ:
             b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
             b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
-            for i_v in range(0, (V + BV - 1) // BV):
-                b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
-                b_qg += _mma(_tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), tl.trans(b_s0).to(DT), PREC)
-            b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_q.to(tl.float32), b_k.to(tl.float32), b_hd, b_gamma, b_gb,
-                                scale, i_b, t0, i_h, i_k, BT, BK, DT, PREC, USE_G)
+            if not DQ_GIVEN:
+                for i_v in range(0, (V + BV - 1) // BV):
+                    b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
+                    b_qg += _mma(_tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), tl.trans(b_s0).to(DT), PREC)
+                b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_q.to(tl.float32), b_k.to(tl.float32), b_hd, b_gamma,
+                                    b_gb, scale, i_b, t0, i_h, i_k, BT, BK, DT, PREC, USE_G)
             if not GAMMA_T:
                 b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0,
                                         i_k, BT, BK, DT, PREC, USE_G)
@@ -214,7 +221,7 @@ def rewy_bwd_kernel_consumer_tma(
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
         for i_v in range(0, (V + BV - 1) // BV):
             b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
-            if not SPLIT_DQ:
+            if not SPLIT_DQ and not DQ_GIVEN:
                 b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
             if STORE_P:
                 b_p = tl.load(_p_tile(pst, i_v, BT, V, BV), boundary_check=(1,))
@@ -225,7 +232,7 @@ def rewy_bwd_kernel_consumer_tma(
             if USE_G:
                 b_frob += tl.sum(b_s0.to(tl.float32) * b_ds1.to(tl.float32), axis=1)
             b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
-            if not SPLIT_DQ:
+            if not SPLIT_DQ and not DQ_GIVEN:
                 b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
             b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
 
@@ -238,8 +245,9 @@ def rewy_bwd_kernel_consumer_tma(
             if not GAMMA_T:
                 b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT,
                                         PREC, USE_G)
-            b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
-                                BT, BK, DT, PREC, USE_G)
+            if not DQ_GIVEN:
+                b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
+                                    BT, BK, DT, PREC, USE_G)
 
         b_ak = _mma(b_gr, b_k.to(DT), PREC)
         b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
@@ -254,6 +262,8 @@ def rewy_bwd_kernel_consumer_tma(
             b_dkr += tl.load(p_c, boundary_check=(0, 1))
         dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
 
+    if DQ_GIVEN and USE_G:  # Ḡ's query side from the query-side stage (query_side.py), counted once per chunk
+        b_gb += tl.where(i_ks == 0, tl.load(gbq + tok, mask=m_row, other=0.0), 0.0)
     if KSPLIT > 1:  # this program's part of the sums over K tiles, into the fp32 part buffers (see the docstring)
         derase += i_ks * n_tok
         if not ONE_BETA:
@@ -282,11 +292,12 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                  one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False,
-                 k_split: int = 1):
+                 k_split: int = 1, dq=None, gbq=None):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
     phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
     kept from phase 1 for phase 2; ``k_split``: programs per chunk, each over its share of the K tiles (module
-    docstring)."""
+    docstring); ``dq`` (and with a gate ``gbq``, Ḡ's query side): made by the query-side stage (``query_side.py``),
+    returned as given, and the kernel skips the dO S0ᵀ and Γ_q K products."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -297,7 +308,13 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     if not tma_supported(q, k, v, R, Rbar, do, A, S0, dS1):
         raise ValueError("consumer 'joint_tma' needs 16-byte aligned tensors with 16-byte multiple strides "
                          "(contiguous, head dims a multiple of 8 elements)")
-    dq = torch.empty_like(q)
+    dq_given = dq is not None
+    if dq_given and (tuple(dq.shape) != tuple(q.shape) or (G is not None) != (gbq is not None)):
+        raise ValueError(f"a given dq must have q's shape {tuple(q.shape)}, and gbq be given exactly when G is; got "
+                         f"{tuple(dq.shape)}, gbq {'given' if gbq is not None else None}, G "
+                         f"{'given' if G is not None else None}")
+    if not dq_given:
+        dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     C = chunk_size
@@ -323,11 +340,11 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
         TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
         _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV),
-        G, erase, write, dk_col, gam, pst, dgp, derp, dwp,
+        G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq,
         T, NT, float(scale), B * T * H,
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split, num_warps=num_warps,
-        num_stages=num_stages,
+        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split, DQ_GIVEN=dq_given,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if k_split > 1:
         sum_row_parts(derp, dwp, dgp, derase, dwrite, dg)

@@ -17,7 +17,8 @@ chunk_cumsum; intra, intra_precision and dv_local_source are validated but scala
 recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
 policy A with "forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages
 run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
-("reverse_scan") the reverse scan beside the forward scan too.
+("reverse_scan") the reverse scan beside the forward scan too. dq_stage "separate" (joint_tma) → the query-side stage
+(`query_side.py`: dq and Ḡ's query side) on the main stream once S0 and R exist, beside the reverse scan.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .cumsum import chunk_cumsum
 from .local import consumer as run_consumer
 from .local import dv_local as run_dv_local
 from .local import producer as run_producer
+from .query_side import query_side
 from .recompute import recompute_wu
 from .scan import forward_state_scan, reverse_state_scan, split_program_limit
 
@@ -132,6 +134,7 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
                       schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=run_dv_local,
+                      query_side=query_side if _separate_query_side(schedule) else None,
                       consumer=functools.partial(_scalar_consumer, tma=schedule.consumer == "joint_tma",
                                                  dq_first=schedule.consumer_order == "dq_first",
                                                  gamma_t=schedule.column_side == "gamma_t",
@@ -139,20 +142,27 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
                                                  k_split=schedule.consumer_k_split, one_beta=one_beta))
 
 
+def _separate_query_side(schedule: Schedule) -> bool:
+    """Whether dq comes from its own stage: Schedule.dq_stage "separate", read by the joint_tma consumer only."""
+    return schedule.dq_stage == "separate" and schedule.consumer == "joint_tma"
+
+
 def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, dq_first: bool,
-                     gamma_t: bool, store_p: bool, k_split: int, **kw):
+                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, **kw):
     """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
-    (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding."""
+    (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding (it forms dq
+    itself; a dq from the query-side stage is then not used)."""
     if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
         return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, dq_first=dq_first, gamma_t=gamma_t,
-                            store_p=store_p, k_split=k_split, **kw)
+                            store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, **kw)
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
+
 
 
 def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: bool) -> str:
     """The schedule's `side_stream` where it applies, else "none": the tensors are on a GPU and a stage runs before
     the reverse scan for the side stream to overlap (stage_before: the recompute stage or the forward scan, i.e. not
-    policy A with the forward's W)."""
+    policy A with the forward's W), or the query-side stage runs beside it (Schedule.dq_stage "separate")."""
     return schedule.side_stream if device.type == "cuda" and stage_before else "none"
 
 
@@ -170,13 +180,16 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
-               dv_local, consumer, W=None):
+               dv_local, consumer, W=None, query_side=None):
     """The stage order shared by every operator; the gate type only picks the two local stages.
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None)` and
     `consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale, P, D, chunk_size, BK, BV,
     num_warps, num_stages) -> (dq, dk, dv, dg, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
-    Inputs are checked by the caller, but for W (policy A's forward W), checked here for both gate kinds.
+    `query_side(q, k, R, S0, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages) -> (dq, Ḡ_q)`
+    (Schedule.dq_stage "separate": `query_side.py`): run on the main stream once S0 and R exist, beside the side
+    stream's reverse scan; the consumer then takes dq=, gbq=. Inputs are checked by the caller, but for W (policy A's
+    forward W), checked here for both gate kinds.
     """
     if W is not None:
         if S0 is None:
@@ -212,7 +225,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # dv_local's output is allocated on the main stream. The reverse scan's outputs come from the side stream's
     # pool: record_stream keeps their memory from being handed out again on the side stream while the consumer,
     # or the caller with dh0, may still read them on the main stream.
-    mode = side_stream_mode(sc, k.device, W is None or S0 is None)
+    mode = side_stream_mode(sc, k.device, W is None or S0 is None or query_side is not None)
     main = torch.cuda.current_stream(k.device) if mode != "none" else None
     side = side_stream(k.device) if mode != "none" else None
     if side is not None and side == main:  # the caller already runs on our stream: nothing to overlap
@@ -224,6 +237,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         # in 8 (64 + 128) 0.088 ms (benchmarks/RESULTS.md)
         split_limit = max(1, split_limit // 2) if split_limit > 0 else 0  # (0 means no limit)
     dS1 = Rbar = dh0 = None
+    dq_made = None  # (dq, Ḡ_q) from the query-side stage
     try:
         if side is not None:  # fork: dv_local reads q, k, G and dO only
             dvl = torch.empty_like(do)
@@ -250,6 +264,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         else:
             S0, R = S0.contiguous(), R.contiguous()
         del U
+        if query_side is not None:  # reads S0, R, never the reverse scan's outputs: beside it on the main stream
+            cc = sc.consumer_cfg
+            dq_made = query_side(q, k, R, S0, G, do, scale=scale, chunk_size=C, BK=cc.block_k, BV=cc.block_v,
+                                 num_warps=cc.num_warps, num_stages=cc.num_stages)
     finally:
         if side is not None:
             main.wait_stream(side)  # join: the reverse scan (or, after it, the consumer) reads the side's results
@@ -270,9 +288,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
                             num_stages=pr.num_stages, pd_dtype=_dtype_of("pd_dtype", sc.pd_dtype, q.dtype))
     cc = sc.consumer_cfg
+    given = {} if dq_made is None else {"dq": dq_made[0], "gbq": dq_made[1]}
     dq, dk, dv, dg, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
-        BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages)
+        BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)
 
     # the consumers return dg itself: Ḡ's reverse in-chunk cumsum is formed in the program that holds the chunk
     dg = dg.to(g.dtype) if g is not None else None

@@ -322,12 +322,13 @@ FIELD_CHANGES = {
     "w_source": "forward",  # read under policy A only (POLICY_FOR); see also test_policy_a_takes_the_forward_w
     "side_stream": "reverse_scan",  # read on CUDA only (here every stage runs in order): test_gpu_side_stream
     "consumer_k_split": 2,  # read by joint_tma, and only where K has two tiles: both paired with it below
+    "dq_stage": "separate",  # read by joint_tma: paired with it below; see also test_query_side_stage
 }
 
 
 # fields read by one consumer only: changed on a base that runs it
 READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
-           "p_tiles": "joint_tma", "consumer_k_split": "joint_tma"}
+           "p_tiles": "joint_tma", "consumer_k_split": "joint_tma", "dq_stage": "joint_tma"}
 # fields read only where another field allows it: both schedules take that value (K = 32 in two 16-wide tiles)
 BASE_FOR = {"consumer_k_split": {"consumer_cfg": {"block_k": 16}}}
 # fields read under one policy only: both schedules run under it
@@ -402,7 +403,7 @@ def _stand_in_streams(monkeypatch, log, *, caller_on_side=False):
     monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
     for attr, name in (("run_dv_local", "dv_local"), ("recompute_wu", "recompute"),
                        ("forward_state_scan", "forward_scan"), ("reverse_state_scan", "reverse_scan"),
-                       ("_scalar_consumer", "consumer")):
+                       ("_scalar_consumer", "consumer"), ("query_side", "query_side")):
         monkeypatch.setattr(pipeline, attr, logged(name, getattr(pipeline, attr)))
     return pipeline
 
@@ -426,6 +427,22 @@ def test_side_stream_forks_and_joins_in_order(mode, policy, order, monkeypatch):
     x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=41)
     s = BASE.replace(side_stream="reverse_scan" if same else mode)
     assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"side stream {mode} {policy}")
+    assert log == order
+
+
+@pytest.mark.parametrize("policy,order", [
+    ("R", ["side waits main", "dv_local on side", "recompute on main", "side waits main", "reverse_scan on side",
+           "forward_scan on main", "query_side on main", "main waits side", "consumer on main"]),
+    # policy A with the forward's W: the query-side stage is the work beside dv_local and the reverse scan
+    ("A", ["side waits main", "dv_local on side", "side waits main", "reverse_scan on side", "query_side on main",
+           "main waits side", "consumer on main"]),
+])
+def test_query_side_stage_runs_beside_the_reverse_scan(policy, order, monkeypatch):
+    log = []
+    _stand_in_streams(monkeypatch, log)
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=61)
+    s = BASE.replace(side_stream="reverse_scan", consumer="joint_tma", dq_stage="separate", w_source="forward")
+    assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"query side beside the reverse scan, {policy}")
     assert log == order
 
 
@@ -572,10 +589,12 @@ def test_schedule_json_roundtrip_and_validation():
         BASE.replace(w_source="saved")
     # a schedule stored before these fields existed reads as the timed code
     old = {k: v for k, v in BASE.to_dict().items()
-           if k not in ("consumer_order", "column_side", "p_tiles", "w_source", "side_stream")}
+           if k not in ("consumer_order", "column_side", "p_tiles", "w_source", "side_stream", "dq_stage")}
     assert Schedule.from_dict(old).consumer_order == "fused" and Schedule.from_dict(old).column_side == "scratch"
     assert Schedule.from_dict(old).p_tiles == "recompute" and Schedule.from_dict(old).w_source == "recompute"
-    assert Schedule.from_dict(old).side_stream == "none"
+    assert Schedule.from_dict(old).side_stream == "none" and Schedule.from_dict(old).dq_stage == "consumer"
+    with pytest.raises(ValueError, match=r"dq_stage must be one of \('consumer', 'separate'\), got 'beside'"):
+        BASE.replace(dq_stage="beside")
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):
@@ -641,6 +660,64 @@ def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
         assert_bf16(out, ref, f"gpu {op} {B},{T},{H} {consumer} {states} states")
 
 
+@pytest.mark.parametrize("order,column,k_split", [("fused", "scratch", 1), ("dq_first", "gamma_t", 1),
+                                                    ("fused", "gamma_t", 2)])
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_query_side_stage(op, policy, order, column, k_split):
+    # dq_stage "separate": dq and Ḡ's query side from their own stage, the descriptor consumer without them. The
+    # gates on a tail chunk with an initial state; dq, dk and dg equal to the fused consumer's to rounding (the
+    # same products, Ḡ's terms summed in another order)
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=53)
+    fused = BASE.replace(consumer="joint_tma", consumer_order=order, column_side=column, consumer_k_split=k_split,
+                         consumer_cfg={"block_k": 16})
+    apart = fused.replace(dq_stage="separate")
+    a, b = run_triton(x, fused, policy), run_triton(x, apart, policy)
+    assert_gates(b, oracle(x), ctx=f"{op} {policy} dq_stage separate {order} {column} k_split {k_split}")
+    for n in NAMES:
+        if a[n] is not None:
+            assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6), n
+
+
+def test_query_side_stage_runs_once_and_feeds_the_consumer(monkeypatch):
+    # the stage runs once, after the forward scan (policy R) and before the consumer, and its dq is the one returned
+    from rewy_tune.kernels.triton import pipeline
+
+    log, made = [], {}
+    real = pipeline.query_side
+
+    def stage(*a, **kw):
+        log.append("query_side")
+        made["dq"], gbq = real(*a, **kw)
+        return made["dq"], gbq
+
+    monkeypatch.setattr(pipeline, "query_side", stage)
+    for attr in ("forward_state_scan", "reverse_state_scan", "consumer_tma"):
+        fn = getattr(pipeline, attr)
+        monkeypatch.setattr(pipeline, attr, (lambda name, f: lambda *a, **kw: log.append(name) or f(*a, **kw))(attr, fn))
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=59)
+    out = run_triton(x, BASE.replace(consumer="joint_tma", dq_stage="separate"))
+    assert log == ["forward_state_scan", "query_side", "reverse_state_scan", "consumer_tma"]
+    assert out["dq"] is made["dq"]
+    log.clear()
+    run_triton(x, BASE.replace(consumer="joint", dq_stage="separate"))  # the pointer consumer does not read it
+    assert "query_side" not in log
+
+
+def test_query_side_rejects_bad_shapes():
+    from rewy_tune.kernels.triton.query_side import query_side
+
+    q = torch.zeros(1, 100, 2, 32)
+    R, do = torch.zeros(1, 100, 2, 16), torch.zeros(1, 100, 2, 16)
+    S0 = torch.zeros(1, 2, 2, 32, 16)
+    with pytest.raises(ValueError, match=r"S0 must have shape \(1, 4, 2, 32, 16\)"):
+        query_side(q, q, R, S0, None, do, scale=1.0, chunk_size=32)
+    with pytest.raises(ValueError, match=r"R \(1, 100, 2, 16\)"):
+        query_side(q, q, R[:, :50], S0, None, do, scale=1.0, chunk_size=64)
+    with pytest.raises(ValueError, match=r"G must be None or a scalar gate"):
+        query_side(q, q, R, torch.zeros(1, 2, 2, 32, 16), torch.zeros(1, 100, 2, 32), do, scale=1.0, chunk_size=64)
+
+
 @pytest.mark.gpu
 @BF16_ON_INTERPRETER
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
@@ -656,6 +733,27 @@ def test_gpu_tma_dq_first_bf16(op, B, T, H):
                                    p_tiles=p_tiles, consumer_cfg={"num_warps": warps}, consumer_k_split=k_split)
         assert_bf16(run_triton(x, s), ref,
                     f"gpu {op} {B},{T},{H} joint_tma dq_first {column} {p_tiles} {warps} warps k_split {k_split}")
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", [(2, 2048, 16), (1, 1000, 4)])
+def test_gpu_query_side_stage(op, B, T, H, policy):
+    # dq_stage "separate" on the main stream beside the side stream's reverse scan: the same bits as in order (waves
+    # 0: the scans split alike either way), the bf16 gate, and fp32 inputs to the project gate
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7, gate_div=1.0)
+    s = _gpu_default().replace(consumer="joint_tma", dq_stage="separate", scan_split_waves=0)
+    in_order, beside = run_triton(x, s.replace(side_stream="none"), policy), run_triton(x, s, policy)
+    for n in NAMES:
+        if in_order[n] is not None:
+            assert torch.equal(in_order[n], beside[n]), n
+    assert_bf16(beside, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
+                f"gpu {op} {B},{T},{H} {policy} dq_stage separate")
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.float32, device="cuda", seed=B * T + H + 8, gate_div=1.0)
+    s = _gpu_default("fp32").replace(consumer="joint_tma", dq_stage="separate")
+    assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"gpu fp32 {op} {B},{T},{H} {policy} dq_stage separate")
 
 
 @pytest.mark.gpu
