@@ -158,7 +158,6 @@ def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: 
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
 
 
-
 def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: bool) -> str:
     """The schedule's `side_stream` where it applies, else "none": the tensors are on a GPU and a stage runs before
     the reverse scan for the side stream to overlap (stage_before: the recompute stage or the forward scan, i.e. not
