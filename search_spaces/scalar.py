@@ -76,8 +76,9 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "p_tiles": ["recompute", "stored"],
         "side_stream": ["none", "dv_local", "reverse_scan"],
         "dq_stage": ["consumer", "separate"],
-        # no more programs per chunk than K tiles of the narrowest consumer tile (16): the consumers lower a wider one
-        "consumer_k_split": [s for s in (1, 2, 4) if s <= -(-K // 16)],
+        # no more programs per chunk than K tiles of the narrowest consumer tile (16): the consumers lower a wider one;
+        # 0 ("auto") picks 1 or 2 from the grid at launch (the H200 defaults)
+        "consumer_k_split": [0] + [s for s in (1, 2, 4) if s <= -(-K // 16)],
         "pd_dtype": ["fp32", "input"],
         "state_dtype": ["fp32", "input"],
         "intra": ["auto"],
@@ -375,6 +376,10 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # Sweep, session 16 (DeltaNet R): (1, 512, 4) 0.0554 -> 0.0420 ms, (1, 2048, 16) 0.1768 -> 0.1431,
             # (1, 8192, 16) 0.6580 -> 0.5168 (RESULTS.md). Policy A with the forward's W has no stage to overlap.
             side_stream="reverse_scan",
+            # Two consumer programs per chunk where the grid is small (auto, local.programs_per_chunk): session 16
+            # sweep, DeltaNet R, k_split 2 alone: (1, 512, 4) 0.0554 -> 0.0485 ms, (1, 2048, 4) 0.1115 -> 0.1076, and
+            # 9 % slower at B·H = 16, where "auto" keeps one (RESULTS.md). The pointer consumers do not read it.
+            consumer_k_split=0,
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

@@ -306,6 +306,9 @@ VECTOR_H200 = {
     # session 16 (this schedule with --set side_stream=reverse_scan): KDA R 0.874 -> 1.034x FLA (session 15's
     # bench), GDN2 R 1.188x (0.963x in session 11) (RESULTS.md).
     "side_stream": "reverse_scan",
+    # Two consumer programs per chunk where twice the grid fits in one wave of the 8-warp consumer's CTAs (auto,
+    # local.programs_per_chunk): session 16 sweep, KDA (1, 512, 4) R 0.1666 -> 0.1428 ms with 2 (RESULTS.md).
+    "consumer_k_split": 0,
 }
 
 

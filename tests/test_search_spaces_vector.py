@@ -353,6 +353,19 @@ def test_the_h200_vector_defaults():
     assert vector.default_schedule(None, op="gdn2").dv_local_source == "recompute"
 
 
+def test_the_h200_defaults_overlap_the_scans_and_choose_k_split_from_the_grid():
+    # session 16: every H200 default runs the reverse scan beside the forward scan, and the consumers that read
+    # consumer_k_split (joint_tma, both vector ones) take "auto" (0); the generic defaults keep both off
+    for op in ("kda", "gdn2"):
+        d = vector.default_schedule((9, 0), op=op)
+        assert (d.side_stream, d.consumer_k_split) == ("reverse_scan", 0)
+    d = scalar.default_schedule((9, 0))
+    assert (d.consumer, d.side_stream, d.consumer_k_split) == ("joint_tma", "reverse_scan", 0)
+    for cc in (None, (8, 0)):
+        for d in (scalar.default_schedule(cc), vector.default_schedule(cc, op="kda")):
+            assert (d.side_stream, d.consumer_k_split) == ("none", 1), cc
+
+
 def test_every_builtin_default_keeps_the_forward_w_under_policy_a():
     # w_source "forward" (session 15): policy A runs no recompute stage with any built-in default; the dataclass
     # default (old stored schedules) still recomputes

@@ -303,7 +303,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk_size)
-    k_split = programs_per_chunk(k_split, K, BK)
+    k_split = programs_per_chunk(k_split, K, BK, chunks=NT * B * H, num_warps=num_warps, device=q.device)
     _check_consumer_args(q, v, G, erase, write, S0, dS1, chunk_size, one_beta)
     if not tma_supported(q, k, v, R, Rbar, do, A, S0, dS1):
         raise ValueError("consumer 'joint_tma' needs 16-byte aligned tensors with 16-byte multiple strides "

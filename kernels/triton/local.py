@@ -301,10 +301,27 @@ def _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb
 ROW_PARTS_BLOCK = 1024
 
 
-def programs_per_chunk(k_split: int, K: int, BK: int) -> int:
-    """A consumer's programs per chunk for Schedule.consumer_k_split: k_split, but at most one per K tile."""
+# Registers of one SM (every NVIDIA GPU since Kepler): the consumers compile to 248-255 registers per thread, so
+# 65 536 / (32 · num_warps · 256) of their CTAs fit per SM (2 at 4 warps, 1 at 8), whatever the shared memory allows.
+REGISTERS_PER_SM = 65536
+
+
+def programs_per_chunk(k_split: int, K: int, BK: int, *, chunks: int = 0, num_warps: int = 4,
+                       device: torch.device | None = None) -> int:
+    """A consumer's programs per chunk for Schedule.consumer_k_split: k_split, but at most one per K tile.
+
+    k_split 0 ("auto") chooses from the grid: 2 where twice the `chunks` programs (NT · B·H) still fit in one wave of
+    the consumer's CTAs on the device (SMs × REGISTERS_PER_SM / (32 · num_warps · 256)), else 1. Session 16 sweep,
+    DeltaNet R (4 warps, 264 CTAs on the H200): 2 per chunk ran (1, 512, 4) (32 chunks) 0.0554 -> 0.0485 ms and
+    (1, 2048, 4) (128) 0.1115 -> 0.1076, and (1, 2048, 16) (512) 0.1768 -> 0.1933; KDA (1, 512, 4) (8 warps, 132 CTAs)
+    0.1666 -> 0.1428 ms (benchmarks/RESULTS.md)."""
     if k_split not in CONSUMER_K_SPLITS:
         raise ValueError(f"k_split must be one of {CONSUMER_K_SPLITS}, got {k_split!r}")
+    if k_split == 0:
+        from .scan import device_sms
+
+        slots = device_sms(device or torch.device("cpu")) * max(1, REGISTERS_PER_SM // (32 * num_warps * 256))
+        k_split = 2 if 0 < 2 * chunks <= slots else 1
     return min(k_split, triton.cdiv(K, BK))
 
 

@@ -485,6 +485,13 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def device_sms(device: torch.device) -> int:
+    """The SM count of the tensors' GPU; INTERPRETER_SMS for tensors on the CPU (the Triton interpreter)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def split_program_limit(waves: int, device: torch.device) -> int:
     """Most programs a sequence-split scan grid may have under `Schedule.scan_split_waves` (0: no limit): waves × the
     device's SM count. A split scan does about twice a plain scan's work (transfer matrices, then the re-scan),
@@ -492,9 +499,7 @@ def split_program_limit(waves: int, device: torch.device) -> int:
     B·H = 32 the same split made GDN's backward 1.4x slower on the H200 (benchmarks/RESULTS.md, session 7)."""
     if waves <= 0:
         return 0
-    sms = _cuda_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else INTERPRETER_SMS
-    return waves * sms
+    return waves * device_sms(device)
 
 
 def _split_overhead(gk: int) -> int | None:

@@ -557,7 +557,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
     NK = triton.cdiv(K, BK)
-    k_split = programs_per_chunk(k_split, K, BK)
+    k_split = programs_per_chunk(k_split, K, BK, chunks=NT * B * H, num_warps=num_warps, device=q.device)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

@@ -221,12 +221,12 @@ def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, g
 
 
 def test_k_split_bad_arguments_and_clamp(monkeypatch):
-    # k_split outside (1, 2, 4) is refused; above the K tile count it is lowered to it (one program per tile)
+    # k_split outside (0, 1, 2, 4) is refused; above the K tile count it is lowered to it (one program per tile)
     from rewy_tune.kernels.triton import consumer_tma as ct
 
     args = _consumer_args(True, torch.float32)
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32)
-    with pytest.raises(ValueError, match=r"k_split must be one of \(1, 2, 4\), got 3"):
+    with pytest.raises(ValueError, match=r"k_split must be one of \(0, 1, 2, 4\), got 3"):
         ct.consumer_tma(*args, **kw, k_split=3)
     grids = []
     real = ct.rewy_bwd_kernel_consumer_tma
@@ -238,6 +238,38 @@ def test_k_split_bad_arguments_and_clamp(monkeypatch):
 
     monkeypatch.setattr(ct, "rewy_bwd_kernel_consumer_tma", Spy())
     ct.consumer_tma(*args, **kw, k_split=4)  # K = 32: two 16-wide tiles
+    assert grids == [(2, 2, 2)]
+
+
+@pytest.mark.parametrize("chunks,num_warps,K,want", [
+    (4, 4, 128, 2), (8, 4, 128, 2), (9, 4, 128, 1),  # 4 warps: 2 CTAs per SM, 16 on the interpreter's 8 "SMs"
+    (4, 8, 128, 2), (5, 8, 128, 1),                   # 8 warps: 1 CTA per SM
+    (4, 4, 16, 1),                                    # one K tile: nothing to share
+])
+def test_k_split_auto_chooses_from_the_grid(chunks, num_warps, K, want):
+    # "auto" (0): two programs per chunk where twice the grid still fits in one wave of the consumer's CTAs
+    from rewy_tune.kernels.triton.local import programs_per_chunk
+
+    assert programs_per_chunk(0, K, 16, chunks=chunks, num_warps=num_warps, device=torch.device("cpu")) == want
+    assert programs_per_chunk(2, K, 16, chunks=10 ** 6, num_warps=num_warps) == min(2, K // 16)  # explicit: kept
+
+
+def test_k_split_auto_runs_split_on_small_grids(monkeypatch):
+    # the launcher takes auto's choice: T = 100 at chunk 64, B·H = 2 (4 chunks) splits; the gates hold
+    from rewy_tune.kernels.triton import consumer_tma as ct
+
+    grids = []
+    real = ct.rewy_bwd_kernel_consumer_tma
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ct, "rewy_bwd_kernel_consumer_tma", Spy())
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=67)
+    s = BASE.replace(consumer="joint_tma", consumer_k_split=0, consumer_cfg={"block_k": 16}, chunk_size=64)
+    assert_gates(run_triton(x, s), oracle(x, C=64), ctx="k_split auto")
     assert grids == [(2, 2, 2)]
 
 
@@ -583,7 +615,7 @@ def test_schedule_json_roundtrip_and_validation():
     with pytest.raises(ValueError, match=r"p_tiles must be one of \('recompute', 'stored'\)"):
         BASE.replace(p_tiles="kept")
     for bad in (3, True, "2"):
-        with pytest.raises(ValueError, match=r"consumer_k_split must be one of \(1, 2, 4\), got"):
+        with pytest.raises(ValueError, match=r"consumer_k_split must be one of \(0, 1, 2, 4\), got"):
             BASE.replace(consumer_k_split=bad)
     with pytest.raises(ValueError, match=r"w_source must be one of \('recompute', 'forward'\), got 'saved'"):
         BASE.replace(w_source="saved")
