@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import typer
@@ -9,7 +10,9 @@ from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Tune and check ReWY backward kernels for delta-rule linear attention.")
-console = Console()
+# Written to a file or a pipe (a device log), rich would wrap at 80 columns and cut table cells ("80.1/1…"): wide
+# enough there for the bench table whole; a terminal keeps its own width.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 @app.callback(invoke_without_command=True)

@@ -136,3 +136,14 @@ def test_json_into_an_existing_directory(tmp_path):
     assert json_path(str(tmp_path), "gdn2", "A", many=False) == str(tmp_path / "bench-gdn2-A.json")
     assert json_path(str(tmp_path / "out.json"), "gdn2", "A", many=False) == str(tmp_path / "out.json")
     assert json_path(str(tmp_path / "new"), "kda", "R", many=True) == str(tmp_path / "new" / "bench-kda-R.json")
+
+
+def test_a_piped_console_keeps_table_cells_whole():
+    # device logs are files: at rich's default 80 columns the bench table's cells were cut ("80.1/1…")
+    import subprocess
+    import sys
+
+    code = ("from rich.table import Table\nfrom rewy_tune.cli.main import console\nt = Table()\n"
+            "for i in range(6):\n    t.add_column(f'column {i}')\nt.add_row(*['x' * 20] * 6)\nconsole.print(t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.count("x" * 20) == 6 and "…" not in out
