@@ -220,14 +220,10 @@ def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, g
             assert rel_rms(b, a) <= 1e-6, name
 
 
-def test_k_split_bad_arguments_and_clamp(monkeypatch):
-    # k_split outside (0, 1, 2, 4) is refused; above the K tile count it is lowered to it (one program per tile)
+def _tma_consumer_grids(monkeypatch) -> list:
+    """The launch grids of the descriptor consumer from here on (the kernel still runs)."""
     from rewy_tune.kernels.triton import consumer_tma as ct
 
-    args = _consumer_args(True, torch.float32)
-    kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32)
-    with pytest.raises(ValueError, match=r"k_split must be one of \(0, 1, 2, 4\), got 3"):
-        ct.consumer_tma(*args, **kw, k_split=3)
     grids = []
     real = ct.rewy_bwd_kernel_consumer_tma
 
@@ -237,6 +233,18 @@ def test_k_split_bad_arguments_and_clamp(monkeypatch):
             return real[grid]
 
     monkeypatch.setattr(ct, "rewy_bwd_kernel_consumer_tma", Spy())
+    return grids
+
+
+def test_k_split_bad_arguments_and_clamp(monkeypatch):
+    # k_split outside (0, 1, 2, 4) is refused; above the K tile count it is lowered to it (one program per tile)
+    from rewy_tune.kernels.triton import consumer_tma as ct
+
+    args = _consumer_args(True, torch.float32)
+    kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32)
+    with pytest.raises(ValueError, match=r"k_split must be one of \(0, 1, 2, 4\), got 3"):
+        ct.consumer_tma(*args, **kw, k_split=3)
+    grids = _tma_consumer_grids(monkeypatch)
     ct.consumer_tma(*args, **kw, k_split=4)  # K = 32: two 16-wide tiles
     assert grids == [(2, 2, 2)]
 
@@ -256,17 +264,7 @@ def test_k_split_auto_chooses_from_the_grid(chunks, num_warps, K, want):
 
 def test_k_split_auto_runs_split_on_small_grids(monkeypatch):
     # the launcher takes auto's choice: T = 100 at chunk 64, B·H = 2 (4 chunks) splits; the gates hold
-    from rewy_tune.kernels.triton import consumer_tma as ct
-
-    grids = []
-    real = ct.rewy_bwd_kernel_consumer_tma
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(ct, "rewy_bwd_kernel_consumer_tma", Spy())
+    grids = _tma_consumer_grids(monkeypatch)
     x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=67)
     s = BASE.replace(consumer="joint_tma", consumer_k_split=0, consumer_cfg={"block_k": 16}, chunk_size=64)
     assert_gates(run_triton(x, s), oracle(x, C=64), ctx="k_split auto")
