@@ -40,14 +40,15 @@ leave SMs idle where B·H is small: one program per state tile, one CTA per SM):
 "dv_local" runs dv_local beside the recompute stage and the forward scan, joined before the reverse scan;
 "reverse_scan" also runs the reverse scan there, once the recompute stage has made W, beside the forward scan (the
 reverse scan reads W and dv_local, never S0 or R), joined before the consumer. Off CUDA, or where no stage runs
-before the reverse scan (policy A with the forward's W, unless dq_stage is "separate"), every stage runs in order. ``consumer_k_split`` is read
-by joint_tma and the vector consumers (not the scalar pointer ones): up to that many programs per chunk, each
-running phase 1 and its share of phase 2's K tiles, the row gradients summed over K from fp32 parts (more
-programs where B·H is small, phase 1 repeated); 0 chooses 2 or 1 from the grid at launch (2 where twice the
-chunks still fit in one wave of the consumer's CTAs). ``dq_stage`` is read by joint_tma only: "consumer" forms dq (and
-Ḡ's query side) in the consumer; "separate" forms them in a stage of their own (``kernels/triton/query_side.py``),
-which reads dO, R, S0, Q, K and G but nothing of the reverse scan, so it runs on the main stream while the side
-stream runs dv_local and the reverse scan (under policy A too), and the consumer skips its dO S0ᵀ and Γ_q K products.
+before the reverse scan (policy A with the forward's W, unless dq_stage is "separate"), every stage runs in order.
+``consumer_k_split`` is read by joint_tma and the vector consumers (not the scalar pointer ones): up to that many
+programs per chunk, each running phase 1 and its share of phase 2's K tiles, the row gradients summed over K from
+fp32 parts (more programs where B·H is small, phase 1 repeated); 0 chooses 2 or 1 from the grid at launch (2 where
+twice the chunks still fit in one wave of the consumer's CTAs). ``dq_stage`` is read by joint_tma only: "consumer"
+forms dq (and Ḡ's query side) in the consumer; "separate" forms them in a stage of their own
+(``kernels/triton/query_side.py``), which reads dO, R, S0, Q, K and G but nothing of the reverse scan, so it runs on
+the main stream while the side stream runs dv_local and the reverse scan (under policy A too), and the consumer skips
+its dO S0ᵀ and Γ_q K products.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ from rewy_tune.schedule import CONSUMER_K_SPLITS
 # One definition of the dot precision rule (and its interpreter workaround) for every stage.
 from .recompute import dot_precision
 from .recompute import mm as _mma
+from .scan import device_sms
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,8 +319,6 @@ def programs_per_chunk(k_split: int, K: int, BK: int, *, chunks: int = 0, num_wa
     if k_split not in CONSUMER_K_SPLITS:
         raise ValueError(f"k_split must be one of {CONSUMER_K_SPLITS}, got {k_split!r}")
     if k_split == 0:
-        from .scan import device_sms
-
         slots = device_sms(device or torch.device("cpu")) * max(1, REGISTERS_PER_SM // (32 * num_warps * 256))
         k_split = 2 if 0 < 2 * chunks <= slots else 1
     return min(k_split, triton.cdiv(K, BK))

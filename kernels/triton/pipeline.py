@@ -211,14 +211,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     else:
         G = G.to(torch.float32).contiguous()
 
-    dl, rs = sc.dv_local, sc.reverse_scan
-
-    def run_reverse_scan(dvl):
-        return reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v,
-                                  num_warps=rs.num_warps, num_stages=rs.num_stages, state_dtype=state_dtype,
-                                  want_dh0=initial_state is not None, num_segments=sc.reverse_scan_segments,
-                                  split_max_programs=split_limit)
-
     # Stages on a second stream (Schedule.side_stream). Every tensor the side stream reads or writes is held here
     # until the join, which an exception takes too, and each fork waits on all the main stream's work so far.
     # dv_local's output is allocated on the main stream. The reverse scan's outputs come from the side stream's
@@ -235,6 +227,14 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         # DeltaNet (1, 2048, 4) R: reverse scan in 4 segments beside the forward's 4 (64 + 64 programs) 0.081 ms,
         # in 8 (64 + 128) 0.088 ms (benchmarks/RESULTS.md)
         split_limit = max(1, split_limit // 2) if split_limit > 0 else 0  # (0 means no limit)
+    dl, rs = sc.dv_local, sc.reverse_scan
+
+    def run_reverse_scan(dvl):
+        return reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v,
+                                  num_warps=rs.num_warps, num_stages=rs.num_stages, state_dtype=state_dtype,
+                                  want_dh0=initial_state is not None, num_segments=sc.reverse_scan_segments,
+                                  split_max_programs=split_limit)
+
     dS1 = Rbar = dh0 = None
     dq_made = None  # (dq, Ḡ_q) from the query-side stage
     try:

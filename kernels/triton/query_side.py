@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .local import _chunk_prologue, _dq_rows, _row_gates
+from .local import _chunk_prologue, _dq_rows, _gamma_matrices, _row_gates
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -59,11 +59,9 @@ def rewy_bwd_kernel_query_side(
         b_H += _mma(b_do.to(DT), tl.load(p_rt, boundary_check=(0, 1)).to(DT), PREC)
         b_hd += tl.sum(b_do.to(tl.float32) * tl.load(p_r, boundary_check=(0, 1)).to(tl.float32), axis=1)
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
-    if USE_G:  # Γ_q = s H_< ⊙ Λ, as local._gamma_matrices forms it
-        b_lam = tl.exp(tl.where(m_lt, b_g[:, None] - b_g[None, :], 0.0))
-        b_gq = tl.where(m_lt, b_H * b_lam * scale, 0.0).to(DT)
-    else:
-        b_gq = tl.where(m_lt, b_H * scale, 0.0).to(DT)
+    # Γ_q = s H_< ⊙ Λ, by the consumer's own helper; its Γ_r (here formed from a stand-in, b_H) is not used, and
+    # the compiler drops it
+    b_gq, _ = _gamma_matrices(b_H, b_H, b_g, m_lt, scale, DT, USE_G)
 
     # Phase 2: per K tile Q̄_g = dO S0ᵀ over V, then the consumer's dq epilogue
     b_gb = tl.zeros([BT], dtype=tl.float32)
