@@ -734,6 +734,19 @@ def test_query_side_stage_runs_once_and_feeds_the_consumer(monkeypatch):
     assert "query_side" not in log
 
 
+def test_tma_consumer_rejects_a_mismatched_given_dq():
+    # a dq from the query-side stage must have q's shape, and Ḡ's query side comes with it exactly when there is a gate
+    from rewy_tune.kernels.triton.consumer_tma import consumer_tma
+
+    args = _consumer_args(True, torch.float32)  # gated
+    q = args[0]
+    kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32)
+    with pytest.raises(ValueError, match=r"a given dq must have q's shape .*, and gbq be given exactly when G is"):
+        consumer_tma(*args, **kw, dq=torch.zeros_like(q), gbq=None)
+    with pytest.raises(ValueError, match=r"a given dq must have q's shape"):
+        consumer_tma(*args, **kw, dq=torch.zeros_like(q)[:, :-1], gbq=torch.zeros(q.shape[:3]))
+
+
 def test_query_side_rejects_bad_shapes():
     from rewy_tune.kernels.triton.query_side import query_side
 
