@@ -72,6 +72,7 @@ def variants_for(op: str, base):
         out["fscan-w8"] = base.replace(forward_scan={"num_warps": 8})
         # session 15: two programs per chunk, each over half the feature tiles (32 programs at (1, 512, 4))
         out["cons-k2"] = base.replace(consumer_k_split=2)
+        out["cons-k1"] = base.replace(consumer_k_split=1)  # session 17: against the "auto" default (0)
         out["fscan-bv64"] = base.replace(forward_scan={"block_v": 64})
         # session 16: FLA's KDA scans run 32-wide state tiles with 16-bit states, 12-13 us each at (1, 512, 4)
         # against ours at 128 x 128 / 128 x 64 in fp32, split, 28-32 us. FLA's stages do not fit the vector scans
@@ -114,6 +115,7 @@ def variants_for(op: str, base):
             out["tma-p-stored"] = base.replace(p_tiles="stored")
             # session 15: two programs per chunk, each over half the K tiles (32 programs at (1, 512, 4))
             out["tma-k2"] = base.replace(consumer_k_split=2)
+            out["tma-k1"] = base.replace(consumer_k_split=1)  # session 17: against the "auto" default (0)
             # session 16: dq and Ḡ's query side in their own stage, beside the side stream's reverse scan (the
             # consumer skips 6 of its 30 tile products: sm_90 GDN 4 040 -> 3 408 instructions; the stage 1 800)
             out["dq-sep"] = base.replace(dq_stage="separate")
