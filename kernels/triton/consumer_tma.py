@@ -41,7 +41,7 @@ running phase 1 whole (it makes Γ, which every K tile needs) and phase 2 over i
 dk rows are per K tile and go straight out; the row gradients are sums over K tiles, so each program writes its
 part of d_erase, d_write and dg (the reverse cumsum is linear, so per part too) to fp32 part buffers, which the
 launcher sums and casts (fixed order: the same bits every run). dv and d_write's phase-1 term come from part 0;
-with "stored" P tiles each program keeps its own scratch.
+the Γ and "stored" P scratches are the chunk's, shared by its programs (each stores the same bits there).
 Where B·H is small the grid of one program per chunk leaves most SMs idle (32 programs at (1, 512, 4) on 132
 SMs); the split trades a repeated phase 1 (6 of the chunk's 30 tile products at K = V = 128) for twice the
 programs and half the serial chain each. sm_90 (the GDN H200 default at 4 warps): 255 registers either way, stack
@@ -134,10 +134,11 @@ def rewy_bwd_kernel_consumer_tma(
     i_ks = tl.program_id(2)  # this program's share of the K tiles (consumer_k_split)
     NK: tl.constexpr = (K + BK - 1) // BK
     NKP: tl.constexpr = (NK + KSPLIT - 1) // KSPLIT
-    if KSPLIT == 1:  # this program's slot in the per-chunk scratches (gam, pst): one per program
-        i_scr = i_s.to(tl.int64)
-    else:
-        i_scr = (i_s * KSPLIT + i_ks).to(tl.int64)
+    # the chunk's slot in the scratches (gam, pst). Under KSPLIT the chunk's programs share it: phase 1 is the same
+    # code on the same inputs in each of them, so they store the same bits there, and a program reading the slot
+    # after its own barrier reads its own values whichever store landed last (a slot per program cost KSPLIT times
+    # the memory: DeltaNet A peak 0.4 % over FLA's at B·H = 4, session 17)
+    i_scr = i_s.to(tl.int64)
     bos = (i_b * T * H + i_h).to(tl.int64)
     if not GAMMA_T:
         dk_col += bos * K
@@ -318,12 +319,12 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     C = chunk_size
-    if gamma_t:  # Γ_q, Γ_r per chunk (and K share) in the operand dtype, read back transposed
-        dk_col, gam = None, torch.empty(B * NT * H * k_split, 2, C, C, dtype=k.dtype, device=q.device)
+    if gamma_t:  # Γ_q, Γ_r per chunk in the operand dtype, read back transposed
+        dk_col, gam = None, torch.empty(B * NT * H, 2, C, C, dtype=k.dtype, device=q.device)
     else:
         dk_col, gam = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device), None
-    # P per chunk (and K share) in the operand dtype: k_split times the size of v, not kept past this call
-    pst = torch.empty(B * NT * H * k_split, C, V, dtype=k.dtype, device=q.device) if store_p else None
+    # P per chunk in the operand dtype (the size of v), not kept past this call
+    pst = torch.empty(B * NT * H, C, V, dtype=k.dtype, device=q.device) if store_p else None
     dg = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
     derase = torch.empty_like(erase)
     dwrite = None if one_beta else torch.empty_like(write)
