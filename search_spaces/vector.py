@@ -286,9 +286,11 @@ H200_TF32X3_FAULT = ("Triton 3.6 on sm_90 stops the sliced-intra consumer with a
 # §8.1) stay. KDA runs the same kernels as GDN2 (scalar β instead of vector b, w), so it takes the same schedule.
 VECTOR_H200 = {
     "recompute": StageConfig(64, 16, 8, 3),
-    "forward_scan": StageConfig(128, 128, 4, 3),
+    # 32-wide state tiles (FLA's width; 4x the programs, no spills on sm_90): session 17 sweep, KDA R (1, 512, 4)
+    # 0.1214 -> 0.1093 ms, (1, 2048, 16) 0.5149 -> 0.4786; bench KDA R 1.034 -> 1.128x, GDN2 1.188 -> 1.239x
+    "forward_scan": StageConfig(128, 32, 4, 3),
     "dv_local": StageConfig(32, 16, 8, 3),
-    "reverse_scan": StageConfig(128, 64, 4, 2),
+    "reverse_scan": StageConfig(128, 32, 4, 2),
     "producer": StageConfig(64, 64, 4, 2),
     "consumer_cfg": StageConfig(64, 64, 8, 1),
     "cumsum": StageConfig(64, 64, 4, 1),
@@ -316,9 +318,9 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
                      op: str | None = None, dtype: str | None = None) -> Schedule:
     """Built-in schedule for KDA/GDN2: the scalar default (it passes this model) with the joint pointer
     consumer, and the vector cumsum's feature tile no wider than K; on compute capability 9.0 at K = V = 128 with
-    16-bit inputs (dtype None: 16-bit assumed) the campaign-measured one (`VECTOR_H200`). Its 3-stage, 128-wide
-    scans need 246 784 B of shared memory with fp32 inputs (over the H200's 232 448 B: the H200 fp32 gate tests of
-    session 4), so fp32 inputs take the scalar-derived one."""
+    16-bit inputs (dtype None: 16-bit assumed) the campaign-measured one (`VECTOR_H200`). With fp32 inputs its
+    scans do not fit the H200's 232 448 B of shared memory (`constraint`; session 4's fp32 gate tests met it on the
+    device), so fp32 inputs take the scalar-derived one."""
     scalar.check_default_dtype(dtype)
     if (op in ("kda", "gdn2") and compute_capability is not None and tuple(compute_capability) == (9, 0)
             and K == V == 128 and dtype in (None, "bf16", "fp16")):

@@ -150,7 +150,8 @@ SEP = dict(consumer="separate", state_dtype="input")
 AOT_SM90 = [
     ("reverse_scan", 128, 2, dict(reverse_scan=StageConfig(128, 32, 8, 3)), 283648),  # trial 5 (H200: 283 648)
     ("reverse_scan", 128, 2, dict(reverse_scan=StageConfig(128, 16, 2, 3)), 248832),  # trial 7 (H200: 248 832)
-    ("reverse_scan", 128, 2, dict(reverse_scan=StageConfig(128, 16, 4, 2)), 147968),  # H200 default
+    ("reverse_scan", 128, 2, dict(reverse_scan=StageConfig(128, 16, 4, 2)), 147968),
+    ("reverse_scan", 128, 2, dict(reverse_scan=StageConfig(128, 32, 4, 2)), 156160),  # H200 default (session 17)
     ("reverse_scan", 128, 2, dict(reverse_scan=StageConfig(128, 128, 8, 2)), 213504),
     ("reverse_scan", 128, 2, dict(reverse_scan=StageConfig(128, 64, 8, 3)), 308224),
     ("reverse_scan", 128, 2, dict(state_dtype="input", reverse_scan=StageConfig(128, 64, 4, 2)), 180736),
@@ -163,12 +164,12 @@ AOT_SM90 = [
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 16, 4, 2)), 94720),
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 16, 4, 4)), 230912),
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 32, 4, 2)), 98816),
-    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 32, 4, 3)), 168960),
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 32, 4, 3)), 168960),  # H200 default
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 32, 4, 4)), 239104),  # H200: 239 104
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 64, 4, 3)), 181248),
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 64, 4, 4)), 255488),
     ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 128, 4, 2)), 131584),
-    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 128, 4, 3)), 214016),  # H200 default
+    ("forward_scan", 128, 2, dict(forward_scan=StageConfig(128, 128, 4, 3)), 214016),  # H200 default to session 16
     ("forward_scan", 128, 2, dict(state_dtype="input", forward_scan=StageConfig(128, 32, 4, 4)), 239104),
     ("forward_scan", 64, 2, dict(forward_scan=StageConfig(64, 64, 4, 3)), 107008),
     ("forward_scan", 64, 2, dict(forward_scan=StageConfig(64, 32, 4, 4)), 131840),
@@ -380,9 +381,9 @@ def test_every_builtin_default_keeps_the_forward_w_under_policy_a():
 
 
 def test_the_h200_vector_default_splits_the_reverse_scan_where_b_h_is_small():
-    # one wave of programs (session 15). Policy A (the reverse scan alone): it splits (64-wide tiles) 8 ways at
-    # B·H = 4, 4 ways at B·H = 16, not at B·H = 32. Policy R runs it beside the forward scan (session 16), each on
-    # half the SMs: the forward scan (128-wide) 4 ways up to B·H = 16, the reverse scan 8 ways at B·H = 4 only
+    # one wave of programs (session 15). With 32-wide state tiles (session 17) each scan runs 4·B·H programs unsplit.
+    # Policy A (the reverse scan alone): it splits 8 ways at B·H = 4, not at B·H = 16 or 32. Policy R runs it beside
+    # the forward scan (session 16), each on half the SMs: both 4 ways at B·H = 4 (64 programs each), unsplit above
     from rewy_tune.kernels.triton.scan import VECTOR_SPLIT_OVERHEAD_STEPS, _segments
 
     d = vector.default_schedule((9, 0), op="kda")
@@ -393,10 +394,10 @@ def test_the_h200_vector_default_splits_the_reverse_scan_where_b_h_is_small():
         return _segments(2048 // 64, asked, (128 // cfg.block_v) * BH, limit, VECTOR_SPLIT_OVERHEAD_STEPS)[0]
 
     policy_a = {BH: segments(BH, d.reverse_scan, d.reverse_scan_segments, alone) for BH in (4, 16, 32)}
-    assert policy_a == {4: 8, 16: 4, 32: 1}
+    assert policy_a == {4: 8, 16: 1, 32: 1}
     policy_r = {BH: (segments(BH, d.forward_scan, d.forward_scan_segments, alone // 2),
                      segments(BH, d.reverse_scan, d.reverse_scan_segments, alone // 2)) for BH in (4, 16, 32)}
-    assert policy_r == {4: (4, 8), 16: (4, 1), 32: (1, 1)}
+    assert policy_r == {4: (4, 4), 16: (1, 1), 32: (1, 1)}
 
 
 def test_every_call_site_asks_for_the_operators_default():
