@@ -11,6 +11,8 @@
 # (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
 # counters of one backward's local kernels, benchmarks/one_backward.py; NCU_FLA_KERNELS adds FLA's), models
 # (benchmarks/model_check.py).
+# BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
+# own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
 # a one-worker campaign on GPU 0. The background steps write under bg/ (OUT and results); BG_SWEEP_OPS gives them
 # their own operator for a sweep (e.g. STEPS=sweep SWEEP_OPS=gdn BG_STEPS=sweep BG_SWEEP_OPS=deltanet).
