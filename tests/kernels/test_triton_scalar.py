@@ -220,20 +220,22 @@ def test_tma_consumer_equals_pointer_consumer(gate, dtype, one_beta, dq_first, g
             assert rel_rms(b, a) <= 1e-6, name
 
 
-def _tma_consumer_grids(monkeypatch) -> list:
-    """The launch grids of the descriptor consumer from here on (the kernel still runs)."""
+def _tma_consumer_launches(monkeypatch) -> list:
+    """The descriptor consumer's launches from here on, as (grid, positional arguments); the kernel still runs."""
     from rewy_tune.kernels.triton import consumer_tma as ct
 
-    grids = []
+    launches = []
     real = ct.rewy_bwd_kernel_consumer_tma
 
     class Spy:
         def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
+            def launch(*args, **kw):
+                launches.append((grid, args))
+                return real[grid](*args, **kw)
+            return launch
 
     monkeypatch.setattr(ct, "rewy_bwd_kernel_consumer_tma", Spy())
-    return grids
+    return launches
 
 
 def test_k_split_programs_share_the_chunk_scratches(monkeypatch):
@@ -241,21 +243,12 @@ def test_k_split_programs_share_the_chunk_scratches(monkeypatch):
     # a slot per program put DeltaNet A's peak backward memory 0.4 % over FLA's at B·H = 4 (session 17)
     from rewy_tune.kernels.triton import consumer_tma as ct
 
-    sizes = []
-    real = ct.rewy_bwd_kernel_consumer_tma
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                sizes.append((grid[2], args[16].numel(), args[17].numel()))  # gam, pst
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(ct, "rewy_bwd_kernel_consumer_tma", Spy())
+    launches = _tma_consumer_launches(monkeypatch)
     args = _consumer_args(True, torch.bfloat16, K=48)
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32, gamma_t=True, store_p=True)
     one = ct.consumer_tma(*args, **kw, k_split=1)
     two = ct.consumer_tma(*args, **kw, k_split=2)
+    sizes = [(grid[2], a[16].numel(), a[17].numel()) for grid, a in launches]  # programs per chunk, gam, pst
     assert [k for k, _, _ in sizes] == [1, 2] and sizes[0][1:] == sizes[1][1:]
     for name, a, b in zip(("dq", "dk", "dv", "dg", "d_erase", "d_write"), one, two):
         if a is not None:
@@ -270,9 +263,9 @@ def test_k_split_bad_arguments_and_clamp(monkeypatch):
     kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32)
     with pytest.raises(ValueError, match=r"k_split must be one of \(0, 1, 2, 4\), got 3"):
         ct.consumer_tma(*args, **kw, k_split=3)
-    grids = _tma_consumer_grids(monkeypatch)
+    launches = _tma_consumer_launches(monkeypatch)
     ct.consumer_tma(*args, **kw, k_split=4)  # K = 32: two 16-wide tiles
-    assert grids == [(2, 2, 2)]
+    assert [grid for grid, _ in launches] == [(2, 2, 2)]
 
 
 @pytest.mark.parametrize("chunks,num_warps,K,want", [
@@ -290,11 +283,11 @@ def test_k_split_auto_chooses_from_the_grid(chunks, num_warps, K, want):
 
 def test_k_split_auto_runs_split_on_small_grids(monkeypatch):
     # the launcher takes auto's choice: T = 100 at chunk 64, B·H = 2 (4 chunks) splits; the gates hold
-    grids = _tma_consumer_grids(monkeypatch)
+    launches = _tma_consumer_launches(monkeypatch)
     x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=67)
     s = BASE.replace(consumer="joint_tma", consumer_k_split=0, consumer_cfg={"block_k": 16}, chunk_size=64)
     assert_gates(run_triton(x, s), oracle(x, C=64), ctx="k_split auto")
-    assert grids == [(2, 2, 2)]
+    assert [grid for grid, _ in launches] == [(2, 2, 2)]
 
 
 def test_tma_consumer_falls_back_on_unaligned_tensors(monkeypatch):
