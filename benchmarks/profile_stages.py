@@ -120,6 +120,14 @@ def variants_for(op: str, base):
             # consumer skips 6 of its 30 tile products: sm_90 GDN 4 040 -> 3 408 instructions; the stage 1 800)
             out["dq-sep"] = base.replace(dq_stage="separate")
             out["dq-sep-k2"] = base.replace(dq_stage="separate", consumer_k_split=2)
+            # session 18: the consumer in chunk ranges, each beside the reverse scan of the earlier chunks (policy A,
+            # or R without the scan beside the forward scan). The scan at 3 stages takes 176 KB of shared memory and
+            # the consumer 98 KB: at 2 stages (119 KB) or 1 (25 KB) one of each fits on an SM together.
+            for n in (2, 4, 8):
+                out[f"ranges{n}"] = base.replace(consumer_ranges=n)
+            for st in (1, 2):
+                out[f"ranges4-rscan-s{st}"] = base.replace(consumer_ranges=4, reverse_scan={"num_stages": st})
+            out["rscan-s2"] = base.replace(reverse_scan={"num_stages": 2})
         w4, w4k32 = {"num_warps": 4}, {"num_warps": 4, "block_k": 32}
         for name, changes in (("tma-1stage", dict(consumer_cfg={"num_stages": 1})),
                               ("tma-w4", dict(consumer_cfg=w4)),

@@ -48,7 +48,11 @@ twice the chunks still fit in one wave of the consumer's CTAs). ``dq_stage`` is 
 forms dq (and Ḡ's query side) in the consumer; "separate" forms them in a stage of their own
 (``kernels/triton/query_side.py``), which reads dO, R, S0, Q, K and G but nothing of the reverse scan, so it runs on
 the main stream while the side stream runs dv_local and the reverse scan (under policy A too), and the consumer skips
-its dO S0ᵀ and Γ_q K products.
+its dO S0ᵀ and Γ_q K products. ``consumer_ranges`` is read by joint_tma only, where the reverse scan runs last and
+alone (not beside the forward scan): n > 1 cuts the chunks into n ranges; the reverse scan runs one range per
+launch from the last, on the side stream, and the consumer of each range is launched on the main stream as soon as
+the scan has finished it, beside the scan of the earlier ranges (the scan's B·H·V/BV programs leave most SMs idle
+where B·H ≥ 16 under policy A). The same bits as 1 (one scan, then one consumer launch).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
 DQ_STAGES = ("consumer", "separate")
 CONSUMER_K_SPLITS = (0, 1, 2, 4)  # 0: "auto", chosen from the consumer's grid (local.programs_per_chunk)
+CONSUMER_RANGES = (1, 2, 4, 8)  # joint_tma: chunk ranges of the consumer, each beside the reverse scan's earlier ones
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -149,6 +154,7 @@ class Schedule:
     side_stream: str = "none"  # stages on a second CUDA stream: "dv_local", or it and the "reverse_scan" too
     consumer_k_split: int = 1  # joint_tma / vector consumers: programs per chunk, each over a share of the K tiles
     dq_stage: str = "consumer"  # joint_tma: dq formed in the consumer, or in its own stage beside the reverse scan
+    consumer_ranges: int = 1  # joint_tma: consumer launches, each on chunks the reverse scan has finished
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -166,6 +172,9 @@ class Schedule:
         if isinstance(self.consumer_k_split, bool) or self.consumer_k_split not in CONSUMER_K_SPLITS:
             raise ValueError(f"Schedule.consumer_k_split must be one of {CONSUMER_K_SPLITS}, got "
                              f"{self.consumer_k_split!r}")
+        if isinstance(self.consumer_ranges, bool) or self.consumer_ranges not in CONSUMER_RANGES:
+            raise ValueError(f"Schedule.consumer_ranges must be one of {CONSUMER_RANGES}, got "
+                             f"{self.consumer_ranges!r}")
         if isinstance(self.scan_split_waves, bool) or self.scan_split_waves not in SPLIT_WAVES:
             raise ValueError(f"Schedule.scan_split_waves must be one of {SPLIT_WAVES}, got {self.scan_split_waves!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rewy_tune.schedule import SPLIT_WAVES, STAGES, Schedule, StageConfig
+from rewy_tune.schedule import CONSUMER_RANGES, SPLIT_WAVES, STAGES, Schedule, StageConfig
 
 # Per-block shared-memory limit (bytes) by compute capability (CUDA occupancy tables; H100/H200 = 227 KiB).
 SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
@@ -35,7 +35,7 @@ SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
-TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage")
+TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_ranges")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
@@ -76,6 +76,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         "p_tiles": ["recompute", "stored"],
         "side_stream": ["none", "dv_local", "reverse_scan"],
         "dq_stage": ["consumer", "separate"],
+        "consumer_ranges": list(CONSUMER_RANGES),
         # no more programs per chunk than K tiles of the narrowest consumer tile (16): the consumers lower a wider one;
         # 0 ("auto") picks 1 or 2 from the grid at launch (the H200 defaults)
         "consumer_k_split": [0] + [s for s in (1, 2, 4) if s <= -(-K // 16)],

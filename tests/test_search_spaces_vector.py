@@ -228,7 +228,7 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         sp = vector.space(K, V)
         base = vector.default_schedule((9, 0), K=K, V=V)
         # the vector space is the scalar one without joint_tma's own fields (vector gates never run joint_tma)
-        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage"}
+        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_ranges"}
         assert set(scalar.TMA_ONLY_FIELDS) == tma_only
         assert set(scalar.space(K, V)) - tma_only <= set(sp) and not tma_only & set(sp)
         assert not tma_only & set(vector.CONDITIONS)

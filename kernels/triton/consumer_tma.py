@@ -53,6 +53,11 @@ its 30 tile products at K = V = 128) and adds the given Ḡ_q to its row sums (p
 It still forms H = dO Rᵀ: Γ_q is a term of dk's column side. sm_90 (GDN H200 default): 4 040 → 3 408 instructions,
 255 registers, no stack either way. Not yet timed.
 
+``Schedule.consumer_ranges`` (``chunk_ranges``): the grid's chunk axis starts at ``c_off``, so the launcher can
+launch a range of chunks at a time, each as soon as the reverse scan has finished it (`pipeline.py`). Every
+buffer is allocated once for all the launches and the fp32 row parts are summed after the last, so the results
+are the bits of one launch.
+
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
 and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.
@@ -119,17 +124,17 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
     return b_brow, b_gb_col
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
     G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq,
-    T, NT, scale, n_tok,
+    T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
     STORE_P: tl.constexpr, KSPLIT: tl.constexpr, DQ_GIVEN: tl.constexpr,
 ):
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, c_off)
     i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
     i_ks = tl.program_id(2)  # this program's share of the K tiles (consumer_k_split)
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -293,12 +298,14 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                  one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False,
-                 k_split: int = 1, dq=None, gbq=None):
+                 k_split: int = 1, dq=None, gbq=None, chunk_ranges=None):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
     phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
     kept from phase 1 for phase 2; ``k_split``: programs per chunk, each over its share of the K tiles (module
     docstring); ``dq`` (and with a gate ``gbq``, Ḡ's query side): made by the query-side stage (``query_side.py``),
-    returned as given, and the kernel skips the dO S0ᵀ and Γ_q K products."""
+    returned as given, and the kernel skips the dO S0ᵀ and Γ_q K products. ``chunk_ranges``: an iterable of chunk
+    ranges (c0, c1) covering the chunks once, one launch each (Schedule.consumer_ranges: the pipeline's iterator
+    runs the reverse scan of each range first); None: one launch over every chunk. Same bits either way."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -335,18 +342,28 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         dgp, derp, dwp = parts(dg), parts(derase), parts(dwrite)
     else:
         dgp, derp, dwp = dg, derase, dwrite
-    rewy_bwd_kernel_consumer_tma[(NT, B * H, k_split)](
-        _desc4(q, C, BK), _desc4(k, C, BK), _desc4(v, C, BV), _desc4(R, C, BV), _desc4(Rbar, C, BV),
-        _desc4(do, C, BV), _desc4(A, C, C),
-        TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
-        TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
-        _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV),
-        G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq,
-        T, NT, float(scale), B * T * H,
-        H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
-        SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split, DQ_GIVEN=dq_given,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    descs = (_desc4(q, C, BK), _desc4(k, C, BK), _desc4(v, C, BV), _desc4(R, C, BV), _desc4(Rbar, C, BV),
+             _desc4(do, C, BV), _desc4(A, C, C),
+             TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
+             TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
+             _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV))
+    done = []  # the ranges launched: each chunk exactly once
+    for c0, c1 in ([(0, NT)] if chunk_ranges is None else chunk_ranges):
+        if not 0 <= c0 < c1 <= NT:
+            raise ValueError(f"chunk_ranges: ({c0}, {c1}) is not a range of the {NT} chunks")
+        twice = [c for a, b in done for c in range(max(a, c0), min(b, c1))]
+        if twice:
+            raise ValueError(f"chunk_ranges covered chunk {twice[0]} twice")
+        done.append((c0, c1))
+        rewy_bwd_kernel_consumer_tma[(c1 - c0, B * H, k_split)](
+            *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq,
+            T, NT, float(scale), B * T * H, c0,
+            H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
+            SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split,
+            DQ_GIVEN=dq_given, num_warps=num_warps, num_stages=num_stages,
+        )
+    if sum(b - a for a, b in done) != NT:
+        raise ValueError(f"chunk_ranges covered {sum(b - a for a, b in done)} chunks, not the {NT} there are")
     if k_split > 1:
         sum_row_parts(derp, dwp, dgp, derase, dwrite, dg)
     return dq, dk, dv, dg, derase, dwrite

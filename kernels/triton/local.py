@@ -197,13 +197,13 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 # as before (opcode histogram; only register names, scheduling and commuted FMUL/FFMA operands differ). The chunk
 # prologue serves vector_local.py's consumer and dv_local too.
 @triton.jit
-def _chunk_prologue(T, H, BT: tl.constexpr):
+def _chunk_prologue(T, H, BT: tl.constexpr, c_off=0):
     """This program's chunk (program ids: chunk, batch·head): batch, head, first row t0, chunk-local rows o_i, their
     valid mask and token index [(b·T + t)·H + h], the number of valid rows and the last valid row (a tail chunk has
     fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector) and the vector dv_local. In the
     vector consumer it only moves registers around: sm_90 stack KDA 176 → 168 B, GDN2 312 → 344 B (session 13, not
-    timed)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    timed). c_off: the first chunk of the launch's grid (joint_tma launched a chunk range at a time)."""
+    i_t, i_bh = tl.program_id(0) + c_off, tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
     o_i = tl.arange(0, BT)

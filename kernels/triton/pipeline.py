@@ -19,6 +19,9 @@ policy A with "forward" it passes the forward's W here and recompute_wu does not
 run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
 ("reverse_scan") the reverse scan beside the forward scan too. dq_stage "separate" (joint_tma) → the query-side stage
 (`query_side.py`: dq and Ḡ's query side) on the main stream once S0 and R exist, beside the reverse scan.
+consumer_ranges > 1 (joint_tma; where the reverse scan runs last and alone) → the reverse scan in chunk ranges on
+the side stream (`scan.reverse_state_scan_ranges`), each range's consumer on the main stream after its scan range
+(`_scan_beside_consumer`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .local import dv_local as run_dv_local
 from .local import producer as run_producer
 from .query_side import query_side
 from .recompute import recompute_wu
-from .scan import forward_state_scan, reverse_state_scan, split_program_limit
+from .scan import forward_state_scan, reverse_state_scan, reverse_state_scan_ranges, split_program_limit
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -148,13 +151,15 @@ def _separate_query_side(schedule: Schedule) -> bool:
 
 
 def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, dq_first: bool,
-                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, **kw):
+                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, chunk_ranges=None, **kw):
     """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
     (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding (it forms dq
     itself; a dq from the query-side stage is then not used)."""
     if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
         return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, dq_first=dq_first, gamma_t=gamma_t,
-                            store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, **kw)
+                            store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, chunk_ranges=chunk_ranges, **kw)
+    for _ in chunk_ranges or ():  # the pointer kernel runs once, after the whole reverse scan
+        pass
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
 
 
@@ -163,6 +168,47 @@ def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: boo
     the reverse scan for the side stream to overlap (stage_before: the recompute stage or the forward scan, i.e. not
     policy A with the forward's W), or the query-side stage runs beside it (Schedule.dq_stage "separate")."""
     return schedule.side_stream if device.type == "cuda" and stage_before else "none"
+
+
+def consumer_ranges_apply(schedule: Schedule) -> bool:
+    """Whether the consumer runs a chunk range at a time beside the reverse scan (Schedule.consumer_ranges > 1,
+    read by joint_tma only). The pipeline asks only where the reverse scan runs last and alone (not beside the
+    forward scan: side_stream "reverse_scan" with a stage before it)."""
+    return schedule.consumer_ranges > 1 and schedule.consumer == "joint_tma"
+
+
+def chase_streams(device: torch.device):
+    """(main, side) streams for the consumer ranges beside the reverse scan, or None: off CUDA, or where the caller
+    already runs on the pipeline's side stream (then every launch goes in order on it)."""
+    if device.type != "cuda":
+        return None
+    main, side = torch.cuda.current_stream(device), side_stream(device)
+    return None if side == main else (main, side)
+
+
+def _scan_beside_consumer(launches, streams):
+    """The chunk ranges of `reverse_state_scan_ranges`' launches, each scan launch on the side stream, the main
+    stream waiting for it before the range is yielded (the consumer launches it there). The scan runs from the last
+    chunk, so the consumer of the chunks it has finished runs on the SMs its B·H·V/BV programs leave idle, beside
+    the scan of the earlier chunks. streams None (`chase_streams`): all in order on the current stream.
+
+    Memory: the scan's outputs and carry were allocated on the main stream before the fork, and the main stream
+    waits for each range before anything it launches reads it, so no allocation crosses streams."""
+    if streams is None:
+        yield from launches
+        return
+    main, side = streams
+    side.wait_stream(main)  # the scan reads dv_local, W, dO, made on the main stream
+    try:
+        # every scan launch is queued first, each with its event: the scan never waits for the host to launch a
+        # consumer range between two of its own
+        with torch.cuda.stream(side):
+            done = [(chunk_range, side.record_event()) for chunk_range in launches]
+        for chunk_range, event in done:
+            main.wait_event(event)
+            yield chunk_range
+    finally:  # also when the consumer raised: nothing is freed while the side stream may still read it
+        main.wait_stream(side)
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,7 +323,15 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     if side is None:
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
-    if mode != "reverse_scan":
+    ranges = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the reverse scan's
+    if mode != "reverse_scan" and consumer_ranges_apply(sc):
+        dS1, Rbar, dh0, launches = reverse_state_scan_ranges(
+            q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v,
+            num_warps=rs.num_warps, num_stages=rs.num_stages, state_dtype=state_dtype,
+            want_dh0=initial_state is not None, num_segments=sc.reverse_scan_segments,
+            split_max_programs=split_limit, num_ranges=sc.consumer_ranges)
+        ranges = _scan_beside_consumer(launches, chase_streams(k.device))
+    elif mode != "reverse_scan":
         dS1, Rbar, dh0 = run_reverse_scan(dvl)
     del dvl, W
 
@@ -288,6 +342,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                             num_stages=pr.num_stages, pd_dtype=_dtype_of("pd_dtype", sc.pd_dtype, q.dtype))
     cc = sc.consumer_cfg
     given = {} if dq_made is None else {"dq": dq_made[0], "gbq": dq_made[1]}
+    if ranges is not None:
+        given["chunk_ranges"] = ranges
     dq, dk, dv, dg, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)

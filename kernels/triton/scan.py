@@ -58,6 +58,7 @@ registers (Triton 3.6 on Hopper miscompiles tl.trans of wgmma-layout values; FLA
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -268,10 +269,11 @@ def rewy_bwd_scan_kernel(
     H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
-    STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+    STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr = False,
 ):
     # PHASE 0: reverse scan of segment s from dh_in[bh, s] (gradient at the segment's end; zero if absent),
-    #          storing dS1 per chunk, R̄, and dh0 for segment 0.
+    #          storing dS1 per chunk, R̄, and dh0 for segment 0. CARRY (chunk ranges, one launch each from the
+    #          last): the state at the segment's start goes to dh_in[bh, s - 1], the next launch's entering state.
     # PHASE 1: augmented transfer scan (bias columns from zero, identity columns without bias terms);
     #          stores the gradient at the segment's start into X[bh, s].
     # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
@@ -351,6 +353,16 @@ def rewy_bwd_scan_kernel(
                                      GATE, PREC)
 
     if PHASE == 0:
+        if CARRY:
+            if i_s > 0:  # fp32 as the registers hold it: the ranges give the unsplit scan's bits
+                p_c = dh_in + (i_bh * NS + i_s - 1) * K * V
+                _state_block_store(p_c, b_d0, cols, is_bias, V, 0, K, KB)
+                if NB > 1:
+                    _state_block_store(p_c, b_d1, cols, is_bias, V, 1, K, KB)
+                if NB > 2:
+                    _state_block_store(p_c, b_d2, cols, is_bias, V, 2, K, KB)
+                if NB > 3:
+                    _state_block_store(p_c, b_d3, cols, is_bias, V, 3, K, KB)
         if STORE_DH0:
             if i_s == 0:
                 p_0 = dh0 + i_bh * K * V
@@ -607,9 +619,58 @@ def reverse_state_scan(
 
     q, k, W [B,T,H,K]; do, dv_local [B,T,H,V] (dv_local None means zero); dht None | [B,H,K,V].
     """
+    dS1, Rbar, dh0, launches = reverse_state_scan_ranges(
+        q, k, W, G, do, dv_local, dht, scale=scale, chunk_size=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
+        num_stages=num_stages, state_dtype=state_dtype, want_dh0=want_dh0, num_segments=num_segments,
+        split_max_programs=split_max_programs)
+    for _ in launches:
+        pass
+    return dS1, Rbar, dh0
+
+
+def chunk_ranges(NT: int, num_ranges: int) -> list[tuple[int, int]]:
+    """`num_ranges` (at most NT) chunk ranges [c0, c1) of equal length but the first, from the last range to the
+    first: the order the reverse scan finishes them."""
+    per = triton.cdiv(NT, max(1, min(num_ranges, NT)))
+    return [(c0, min(NT, c0 + per)) for c0 in reversed(range(0, NT, per))]
+
+
+def reverse_state_scan_ranges(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    W: torch.Tensor,
+    G: torch.Tensor | None,
+    do: torch.Tensor,
+    dv_local: torch.Tensor | None,
+    dht: torch.Tensor | None,
+    *,
+    scale: float,
+    chunk_size: int = 64,
+    BK: int = 128,
+    BV: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    state_dtype: torch.dtype = torch.float32,
+    want_dh0: bool = True,
+    num_segments: int = 1,
+    split_max_programs: int = 0,
+    num_ranges: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
+    """`reverse_state_scan` a range of chunks at a time (Schedule.consumer_ranges): returns its three outputs,
+    allocated but not yet written, and an iterator that launches the scan. Each step launches the scan of one chunk
+    range (`chunk_ranges`, from the last) on the current stream and yields it (c0, c1); once it has run, dS1 and R̄
+    of those chunks are final, so a consumer can start on them while the scan goes on with the earlier ones. The
+    scan must be run to the end (the iterator exhausted) before dh0 or the other chunks are read.
+
+    Each range is one launch of the plain scan's kernel over its chunks, entering with the state the launch before
+    left in an fp32 carry buffer (the registers' own values): the same bits as one launch. Where the scan splits
+    (`num_segments`, `_segments`) it already runs its chunks side by side: it runs whole and yields (0, NT) once.
+    """
     B, T, H, K = k.shape
     V = do.shape[-1]
     _check_scan_args(K, V, chunk_size, BK, BV, num_warps, num_stages, state_dtype, num_segments, k.dtype)
+    if not isinstance(num_ranges, int) or isinstance(num_ranges, bool) or num_ranges < 1:
+        raise ValueError(f"num_ranges must be a positive int, got {num_ranges!r}")
     for name, x in (("q", q), ("W", W)):
         if tuple(x.shape) != (B, T, H, K):
             raise ValueError(f"{name} must have shape {(B, T, H, K)}, got {tuple(x.shape)}")
@@ -633,17 +694,35 @@ def reverse_state_scan(
     KB, NB = _state_blocks(K)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=gk, HAS_DVL=dvl is not None,
                   PREC=prec, num_warps=num_warps, num_stages=num_stages)
-    dh_in = dht
-    if NS > 1:
-        X = torch.empty(B * H, NS, K, VP + K, dtype=torch.float32, device=k.device)
-        grid1 = (triton.cdiv(VP + K, BV), B * H, NS - 1)  # segment 0's transfer is never used
-        rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, scale, T, NT, CPS, 1, NS=NS,
-                                    PHASE=1, USE_DH_IN=False, STORE_DH0=False, **common)
-        dh_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
-        rewy_segment_combine_kernel[(triton.cdiv(V, COMBINE_BV), B * H)](
-            X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=dht is not None,
-            REVERSE=True, PREC=prec, num_warps=num_warps, num_stages=1)
-    rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT, CPS, 0,
-                                          NS=NS, PHASE=0, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,
-                                          **common)
-    return dS1, Rbar, dh0
+    ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
+
+    def whole():
+        dh_in = dht
+        if NS > 1:
+            X = torch.empty(B * H, NS, K, VP + K, dtype=torch.float32, device=k.device)
+            grid1 = (triton.cdiv(VP + K, BV), B * H, NS - 1)  # segment 0's transfer is never used
+            rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, scale, T, NT, CPS, 1, NS=NS,
+                                        PHASE=1, USE_DH_IN=False, STORE_DH0=False, **common)
+            dh_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
+            rewy_segment_combine_kernel[(triton.cdiv(V, COMBINE_BV), B * H)](
+                X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=dht is not None,
+                REVERSE=True, PREC=prec, num_warps=num_warps, num_stages=1)
+        rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT, CPS,
+                                              0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,
+                                              **common)
+        yield 0, NT
+
+    def in_ranges():
+        NR, per = len(ranges), ranges[-1][1]  # the first range is the longest
+        carry = torch.empty(B * H, NR, K, V, dtype=torch.float32, device=k.device)
+        if dht is not None:
+            carry[:, NR - 1].copy_(dht.view(B * H, K, V))
+        else:
+            carry[:, NR - 1].zero_()
+        for i_s, (c0, c1) in zip(reversed(range(NR)), ranges):
+            rewy_bwd_scan_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, carry, dS1, Rbar, dh0, None, scale, T, NT,
+                                                 per, i_s, NS=NR, PHASE=0, USE_DH_IN=True, STORE_DH0=want_dh0,
+                                                 CARRY=True, **common)
+            yield c0, c1
+
+    return dS1, Rbar, dh0, (whole() if len(ranges) == 1 else in_ranges())

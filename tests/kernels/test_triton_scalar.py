@@ -13,6 +13,7 @@ if not os.environ.get("REWY_TEST_NO_INTERPRET"):
 
 import contextlib
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -372,12 +373,14 @@ FIELD_CHANGES = {
     "side_stream": "reverse_scan",  # read on CUDA only (here every stage runs in order): test_gpu_side_stream
     "consumer_k_split": 2,  # read by joint_tma, and only where K has two tiles: both paired with it below
     "dq_stage": "separate",  # read by joint_tma: paired with it below; see also test_query_side_stage
+    "consumer_ranges": 2,  # read by joint_tma: paired with it below; see also test_consumer_ranges_*
 }
 
 
 # fields read by one consumer only: changed on a base that runs it
 READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
-           "p_tiles": "joint_tma", "consumer_k_split": "joint_tma", "dq_stage": "joint_tma"}
+           "p_tiles": "joint_tma", "consumer_k_split": "joint_tma", "dq_stage": "joint_tma",
+           "consumer_ranges": "joint_tma"}
 # fields read only where another field allows it: both schedules take that value (K = 32 in two 16-wide tiles)
 BASE_FOR = {"consumer_k_split": {"consumer_cfg": {"block_k": 16}}}
 # fields read under one policy only: both schedules run under it
@@ -434,6 +437,13 @@ def _stand_in_streams(monkeypatch, log, *, caller_on_side=False):
         def wait_stream(self, other):
             log.append(f"{self.name} waits {other.name}")
 
+        def record_event(self):
+            log.append(f"{self.name} records")
+            return self.name
+
+        def wait_event(self, event):
+            log.append(f"{self.name} waits {event}'s event")
+
     main, side = Stream("main"), Stream("side")
     current = [main]
 
@@ -448,7 +458,8 @@ def _stand_in_streams(monkeypatch, log, *, caller_on_side=False):
 
     monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream)
     monkeypatch.setattr(pipeline, "side_stream", lambda device: main if caller_on_side else side)
-    monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(pipeline, "chase_streams", lambda device: None if caller_on_side else (main, side))
+    monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
     for attr, name in (("run_dv_local", "dv_local"), ("recompute_wu", "recompute"),
                        ("forward_state_scan", "forward_scan"), ("reverse_state_scan", "reverse_scan"),
@@ -528,6 +539,140 @@ def test_scans_side_by_side_split_on_half_the_sms(mode, waves, limit, monkeypatc
     assert_gates(run_triton(x, BASE.replace(side_stream=mode, scan_split_waves=waves)), oracle(x),
                  ctx=f"side stream {mode}, waves {waves}")
     assert limits == {"forward_state_scan": limit, "reverse_state_scan": limit}
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
+@pytest.mark.parametrize("dht", [False, True])
+def test_reverse_scan_in_ranges_gives_the_scans_bits(gate, dht):
+    # Schedule.consumer_ranges: the reverse scan one chunk range per launch, from the last, the state carried in
+    # fp32 between launches: the same bits as one launch, and the ranges come out in the order they are final
+    from rewy_tune.kernels.triton.scan import chunk_ranges, reverse_state_scan, reverse_state_scan_ranges
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 100, 2, 32, 32
+    q, k, W = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    do, dvl = torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    G = {"none": None, "scalar": -torch.rand(B, T, H, generator=gen).cumsum(1) * 0.1,
+         "vector": -torch.rand(B, T, H, K, generator=gen).cumsum(1) * 0.1}[gate]
+    dh = torch.randn(B, H, K, V, generator=gen) if dht else None
+    kw = dict(scale=0.5, chunk_size=16, BK=32, BV=16)  # 7 chunks
+    want = reverse_state_scan(q, k, W, G, do, dvl, dh, **kw)
+    for n in (2, 3, 7, 8):
+        dS1, Rbar, dh0, launches = reverse_state_scan_ranges(q, k, W, G, do, dvl, dh, num_ranges=n, **kw)
+        for t in (dS1, Rbar, dh0):
+            t.fill_(float("nan"))
+        got = list(launches)
+        assert got == chunk_ranges(7, n) and got[0][1] == 7 and got[-1][0] == 0
+        assert all(a[0] == b[1] for a, b in zip(got, got[1:]))  # contiguous, each after the later chunks
+        for name, a, b in zip(("dS1", "Rbar", "dh0"), want, (dS1, Rbar, dh0)):
+            assert torch.equal(a, b), (n, name)
+    assert chunk_ranges(7, 3) == [(6, 7), (3, 6), (0, 3)] and chunk_ranges(2, 8) == [(1, 2), (0, 1)]
+    # a split scan already runs its chunks side by side: whole, one range
+    *outs, launches = reverse_state_scan_ranges(q, k, W, G, do, dvl, dh, num_ranges=4, num_segments=3, **kw)
+    assert list(launches) == [(0, 7)]
+    with pytest.raises(ValueError, match=r"num_ranges must be a positive int, got 0"):
+        reverse_state_scan_ranges(q, k, W, G, do, dvl, dh, num_ranges=0, **kw)
+
+
+def _range_spy(monkeypatch, log):
+    """Logs each joint_tma consumer launch's chunk range, and each reverse-scan range, with the stream it is on."""
+    from rewy_tune.kernels.triton import consumer_tma, pipeline
+
+    real_kernel, real_scan = consumer_tma.rewy_bwd_kernel_consumer_tma, pipeline.reverse_state_scan_ranges
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                c0 = args[26]  # c_off
+                log.append(f"consumer {c0}-{c0 + grid[0]} on {pipeline.torch.cuda.current_stream().name}")
+                return real_kernel[grid](*args, **kw)
+            return launch
+
+    def scan(*args, **kw):
+        *outs, launches = real_scan(*args, **kw)
+
+        def logged():
+            for c0, c1 in launches:
+                log.append(f"scan {c0}-{c1} on {pipeline.torch.cuda.current_stream().name}")
+                yield c0, c1
+        return (*outs, logged())
+
+    monkeypatch.setattr(consumer_tma, "rewy_bwd_kernel_consumer_tma", Kernel())
+    monkeypatch.setattr(pipeline, "reverse_state_scan_ranges", scan)
+
+
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_consumer_ranges_follow_the_reverse_scan(op, monkeypatch):
+    # policy A with the forward's W: every scan range on the side stream first, then each consumer range on the main
+    # stream after the side stream's event for its scan range; the same bits as one scan and one consumer launch
+    log = []
+    _stand_in_streams(monkeypatch, log)
+    _range_spy(monkeypatch, log)
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=71)  # chunk 32: 4 chunks
+    s = BASE.replace(consumer="joint_tma", chunk_size=32, w_source="forward")
+    whole = run_triton(x, s, "A")
+    assert log == ["dv_local on main", "reverse_scan on main", "consumer on main", "consumer 0-4 on main"]
+    log.clear()
+    ranged = run_triton(x, s.replace(consumer_ranges=2), "A")
+    assert log == ["dv_local on main", "consumer on main", "side waits main", "scan 2-4 on side", "side records",
+                   "scan 0-2 on side", "side records", "main waits side's event", "consumer 2-4 on main",
+                   "main waits side's event", "consumer 0-2 on main", "main waits side"]
+    for n in NAMES:
+        if whole[n] is not None:
+            assert torch.equal(whole[n], ranged[n]), n
+    assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges")
+
+
+def test_consumer_ranges_apply_to_the_last_alone_reverse_scan(monkeypatch):
+    # under R with the reverse scan beside the forward scan (side_stream "reverse_scan") there is nothing to chase:
+    # one consumer launch; the pointer consumers run once after the whole scan
+    log = []
+    _stand_in_streams(monkeypatch, log)
+    _range_spy(monkeypatch, log)
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=73)
+    s = BASE.replace(consumer="joint_tma", chunk_size=32, side_stream="reverse_scan", consumer_ranges=4)
+    assert_gates(run_triton(x, s, "R"), oracle(x, C=32), ctx="ranges beside the forward scan")
+    assert [e for e in log if re.match(r"(scan|consumer) \d", e)] == ["consumer 0-4 on main"]
+    log.clear()
+    assert_gates(run_triton(x, s.replace(consumer="joint"), "A"), oracle(x, C=32), ctx="ranges, pointer consumer")
+    assert not [e for e in log if re.match(r"(scan|consumer) \d", e)]
+
+
+def test_consumer_ranges_join_when_the_consumer_raises(monkeypatch):
+    # the main stream joins the side stream even when a consumer launch fails between the ranges
+    log = []
+    _stand_in_streams(monkeypatch, log)
+    from rewy_tune.kernels.triton import consumer_tma
+
+    calls = []
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append(grid)
+                if len(calls) == 2:
+                    raise RuntimeError("consumer launch failed")
+            return launch
+
+    monkeypatch.setattr(consumer_tma, "rewy_bwd_kernel_consumer_tma", Failing())
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=75)
+    s = BASE.replace(consumer="joint_tma", chunk_size=32, w_source="forward", consumer_ranges=4)
+    with pytest.raises(RuntimeError, match="consumer launch failed"):
+        run_triton(x, s, "A")
+    assert log[-1] == "main waits side" and len(calls) == 2
+
+
+def test_consumer_tma_rejects_bad_chunk_ranges():
+    from rewy_tune.kernels.triton.consumer_tma import consumer_tma
+
+    args = _consumer_args(True, torch.float32)
+    kw = dict(scale=0.3, chunk_size=64, BK=16, BV=32)  # T = 100: two chunks
+    with pytest.raises(ValueError, match=r"chunk_ranges: \(1, 3\) is not a range of the 2 chunks"):
+        consumer_tma(*args, **kw, chunk_ranges=[(1, 3)])
+    with pytest.raises(ValueError, match=r"chunk_ranges covered 1 chunks, not the 2 there are"):
+        consumer_tma(*args, **kw, chunk_ranges=[(1, 2)])
+    with pytest.raises(ValueError, match=r"chunk_ranges covered chunk 1 twice"):
+        consumer_tma(*args, **kw, chunk_ranges=[(1, 2), (1, 2)])
 
 
 def test_dv_local_writes_a_given_buffer():
@@ -644,6 +789,10 @@ def test_schedule_json_roundtrip_and_validation():
     assert Schedule.from_dict(old).side_stream == "none" and Schedule.from_dict(old).dq_stage == "consumer"
     with pytest.raises(ValueError, match=r"dq_stage must be one of \('consumer', 'separate'\), got 'beside'"):
         BASE.replace(dq_stage="beside")
+    for bad in (3, True, "2", 16):
+        with pytest.raises(ValueError, match=r"consumer_ranges must be one of \(1, 2, 4, 8\), got"):
+            BASE.replace(consumer_ranges=bad)
+    assert Schedule.from_dict({k: v for k, v in BASE.to_dict().items() if k != "consumer_ranges"}).consumer_ranges == 1
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):
@@ -881,12 +1030,34 @@ def test_gpu_side_stream(op, B, T, H):
 
 
 @pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 1000, 4)])
+def test_gpu_consumer_ranges(op, B, T, H):
+    # policy A (the reverse scan runs last and alone): each consumer range on the main stream after the side
+    # stream's scan of it. The same bits as one scan then one consumer launch (a missing wait would race), and the
+    # bf16 gate; (1, 1000, 4): the scan splits there and the ranges fall back to one
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 11, gate_div=1.0)
+    base = _gpu_default()
+    one = run_triton(x, base.replace(consumer_ranges=1), "A")
+    for n in (2, 4, 8):
+        ranged = run_triton(x, base.replace(consumer_ranges=n), "A")
+        for name in NAMES:
+            if one[name] is not None:
+                assert torch.equal(one[name], ranged[name]), (n, name)
+    assert_bf16(ranged, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
+                f"gpu {op} {B},{T},{H} A consumer ranges")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("consumer,stream", [("joint", "none"), ("joint_tma", "none"), ("joint_tma", "dv_local"),
-                                             ("joint_tma", "reverse_scan")])
+                                             ("joint_tma", "reverse_scan"), ("joint_tma", "none-ranges")])
 def test_gpu_cuda_graph_replay(consumer, stream):
     # joint_tma: host-built descriptors captured in the graph; a side stream: the capture forks a second stream,
-    # allocates on it ("reverse_scan": the reverse scan's outputs) and joins it
-    s = _with_consumer(_gpu_default(), consumer).replace(side_stream=stream)
+    # allocates on it ("reverse_scan": the reverse scan's outputs) and joins it; "none-ranges": the consumer in four
+    # chunk ranges after the side stream's scan of each (events captured across the two streams)
+    s = _with_consumer(_gpu_default(), consumer).replace(side_stream=stream.removesuffix("-ranges"))
+    s = s.replace(consumer_ranges=4, scan_split_waves=0, reverse_scan_segments=1) if stream.endswith("-ranges") else s
     x = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, gate_div=1.0)
     y = make_inputs("gdn", 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=2, gate_div=1.0)
     scale = 128 ** -0.5
