@@ -10,7 +10,8 @@
 # extra options, e.g. "--profile default,NAME"; a cold host needs SWEEP_S >= 300 to compile ahead), enumerate
 # (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
 # counters of one backward's local kernels, benchmarks/one_backward.py; NCU_FLA_KERNELS adds FLA's), models
-# (benchmarks/model_check.py).
+# (benchmarks/model_check.py; needs FLA's model package carried too, which the image lacks (session 18):
+# bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside

@@ -52,7 +52,9 @@ its dO S0ᵀ and Γ_q K products. ``consumer_ranges`` is read by joint_tma only,
 alone (not beside the forward scan): n > 1 cuts the chunks into n ranges; the reverse scan runs one range per
 launch from the last, on the side stream, and the consumer of each range is launched on the main stream as soon as
 the scan has finished it, beside the scan of the earlier ranges (the scan's B·H·V/BV programs leave most SMs idle
-where B·H ≥ 16 under policy A). The same bits as 1 (one scan, then one consumer launch).
+where B·H ≥ 16 under policy A); the consumer's ranges alternate between the main stream and a second one. 0
+("auto") takes ranges of 16 chunks or more where that gives at least 4 (at most 8), else 1. The same bits as 1 (one
+scan, then one consumer launch).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
 DQ_STAGES = ("consumer", "separate")
 CONSUMER_K_SPLITS = (0, 1, 2, 4)  # 0: "auto", chosen from the consumer's grid (local.programs_per_chunk)
-CONSUMER_RANGES = (1, 2, 4, 8)  # joint_tma: chunk ranges of the consumer, each beside the reverse scan's earlier ones
+CONSUMER_RANGES = (0, 1, 2, 4, 8)  # joint_tma: the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")

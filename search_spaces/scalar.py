@@ -381,6 +381,12 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # sweep, DeltaNet R, k_split 2 alone: (1, 512, 4) 0.0554 -> 0.0485 ms, (1, 2048, 4) 0.1115 -> 0.1076, and
             # 9 % slower at B·H = 16, where "auto" keeps one (RESULTS.md). The pointer consumers do not read it.
             consumer_k_split=0,
+            # Policy A (the reverse scan runs last and alone): the consumer of each 16-chunk-or-longer range starts
+            # once the scan has finished it, beside the scan of the earlier chunks (auto: 4 to 8 ranges where T ≥
+            # 4096 at chunk 64). Session 18 sweep, DeltaNet A (1, 8192, 16): 0.4775 -> 0.4207 ms in 8 ranges; at
+            # (1, 2048, 16) (32 chunks) auto keeps one launch (RESULTS.md). Under R the reverse scan runs beside the
+            # forward scan and the field is not read.
+            consumer_ranges=0,
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

@@ -298,14 +298,17 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                  one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False,
-                 k_split: int = 1, dq=None, gbq=None, chunk_ranges=None):
+                 k_split: int = 1, dq=None, gbq=None, chunk_ranges=None, dv_out=None):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
     phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
     kept from phase 1 for phase 2; ``k_split``: programs per chunk, each over its share of the K tiles (module
     docstring); ``dq`` (and with a gate ``gbq``, Ḡ's query side): made by the query-side stage (``query_side.py``),
     returned as given, and the kernel skips the dO S0ᵀ and Γ_q K products. ``chunk_ranges``: an iterable of chunk
     ranges (c0, c1) covering the chunks once, one launch each (Schedule.consumer_ranges: the pipeline's iterator
-    runs the reverse scan of each range first); None: one launch over every chunk. Same bits either way."""
+    runs the reverse scan of each range first); None: one launch over every chunk. Same bits either way. ``dv_out``:
+    the buffer dv is written to (v's shape and dtype, contiguous; None: a new one). Under consumer ranges the
+    pipeline passes dv_local's: the reverse scan has read a range's rows of it before that range's consumer
+    writes them, so dv_local is not held beside a dv of its own while the scan goes on."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -324,7 +327,10 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     if not dq_given:
         dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    if dv_out is not None and (dv_out.shape != v.shape or dv_out.dtype != v.dtype or not dv_out.is_contiguous()):
+        raise ValueError(f"dv_out must be a contiguous {tuple(v.shape)} tensor in {v.dtype}, got "
+                         f"{tuple(dv_out.shape)} in {dv_out.dtype}")
+    dv = torch.empty_like(v) if dv_out is None else dv_out
     C = chunk_size
     if gamma_t:  # Γ_q, Γ_r per chunk in the operand dtype, read back transposed
         dk_col, gam = None, torch.empty(B * NT * H, 2, C, C, dtype=k.dtype, device=q.device)

@@ -197,7 +197,7 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 # as before (opcode histogram; only register names, scheduling and commuted FMUL/FFMA operands differ). The chunk
 # prologue serves vector_local.py's consumer and dv_local too.
 @triton.jit
-def _chunk_prologue(T, H, BT: tl.constexpr, c_off=0):
+def _chunk_prologue(T, H, BT: tl.constexpr, c_off):
     """This program's chunk (program ids: chunk, batch·head): batch, head, first row t0, chunk-local rows o_i, their
     valid mask and token index [(b·T + t)·H + h], the number of valid rows and the last valid row (a tail chunk has
     fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector) and the vector dv_local. In the
@@ -366,7 +366,7 @@ def rewy_bwd_kernel_consumer(
 ):
     # Tiles are addressed through block pointers: per-element pointer tensors of the ~10 tiles this kernel
     # walks would otherwise stay live across the V loop (2 registers per element) and spill.
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, 0)
     bos = (i_b * T * H + i_h).to(tl.int64)  # token (b, 0, h)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
     DT = k.dtype.element_ty

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 from rewy_tune.schedule import Schedule
 
@@ -39,7 +40,8 @@ from .local import dv_local as run_dv_local
 from .local import producer as run_producer
 from .query_side import query_side
 from .recompute import recompute_wu
-from .scan import forward_state_scan, reverse_state_scan, reverse_state_scan_ranges, split_program_limit
+from .scan import (forward_state_scan, reverse_scan_segment_count, reverse_state_scan, reverse_state_scan_ranges,
+                   split_program_limit)
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -151,13 +153,15 @@ def _separate_query_side(schedule: Schedule) -> bool:
 
 
 def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, dq_first: bool,
-                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, chunk_ranges=None, **kw):
+                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, chunk_ranges=None,
+                     dv_out=None, **kw):
     """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
     (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding (it forms dq
     itself; a dq from the query-side stage is then not used)."""
     if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
         return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, dq_first=dq_first, gamma_t=gamma_t,
-                            store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, chunk_ranges=chunk_ranges, **kw)
+                            store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, chunk_ranges=chunk_ranges,
+                            dv_out=dv_out, **kw)
     for _ in chunk_ranges or ():  # the pointer kernel runs once, after the whole reverse scan
         pass
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
@@ -170,20 +174,40 @@ def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: boo
     return schedule.side_stream if device.type == "cuda" and stage_before else "none"
 
 
-def consumer_ranges_apply(schedule: Schedule) -> bool:
-    """Whether the consumer runs a chunk range at a time beside the reverse scan (Schedule.consumer_ranges > 1,
-    read by joint_tma only). The pipeline asks only where the reverse scan runs last and alone (not beside the
-    forward scan: side_stream "reverse_scan" with a stage before it)."""
-    return schedule.consumer_ranges > 1 and schedule.consumer == "joint_tma"
+# consumer_ranges 0 ("auto"): ranges of at least this many chunks, and only where that gives 4 or more (at most
+# 8). Session 18 sweep, DeltaNet A, the consumer's ranges on two streams: (1, 8192, 16) (128 chunks) 1.008x FLA
+# in one launch, 1.116x in 4 ranges, 1.143x in 8; (1, 2048, 16) (32 chunks) 1.012x in one, 0.984x in 2, 1.017x in 4
+# and 0.794x in 8 (benchmarks/RESULTS.md).
+MIN_RANGE_CHUNKS = 16
+
+
+def consumer_range_count(schedule: Schedule, NT: int) -> int:
+    """How many chunk ranges the consumer runs in (Schedule.consumer_ranges; read by joint_tma only, 1 for the
+    others). The pipeline uses them only where the reverse scan runs last and alone (not beside the forward scan:
+    side_stream "reverse_scan" with a stage before it), and the scan keeps one where it splits."""
+    if schedule.consumer != "joint_tma":
+        return 1
+    if schedule.consumer_ranges:
+        return schedule.consumer_ranges
+    n = NT // MIN_RANGE_CHUNKS
+    return min(8, n) if n >= 4 else 1
 
 
 def chase_streams(device: torch.device):
-    """(main, side) streams for the consumer ranges beside the reverse scan, or None: off CUDA, or where the caller
-    already runs on the pipeline's side stream (then every launch goes in order on it)."""
+    """(main, side, second) streams for the consumer ranges beside the reverse scan, or None: off CUDA, or where the
+    caller already runs on one of the pipeline's streams (then every launch goes in order on it). The consumer
+    ranges alternate between main and second: one range's CTAs (a chunk each, ~30 µs) need not wait for the
+    previous range's last ones."""
     if device.type != "cuda":
         return None
     main, side = torch.cuda.current_stream(device), side_stream(device)
-    return None if side == main else (main, side)
+    second = _second_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return None if main in (side, second) else (main, side, second)
+
+
+@functools.lru_cache(maxsize=None)
+def _second_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
 
 
 def _scan_beside_consumer(launches, streams):
@@ -197,18 +221,22 @@ def _scan_beside_consumer(launches, streams):
     if streams is None:
         yield from launches
         return
-    main, side = streams
+    main, side, second = streams
     side.wait_stream(main)  # the scan reads dv_local, W, dO, made on the main stream
+    second.wait_stream(main)  # the consumer's buffers were allocated (and its inputs made) there
     try:
         # every scan launch is queued first, each with its event: the scan never waits for the host to launch a
         # consumer range between two of its own
         with torch.cuda.stream(side):
             done = [(chunk_range, side.record_event()) for chunk_range in launches]
-        for chunk_range, event in done:
-            main.wait_event(event)
-            yield chunk_range
-    finally:  # also when the consumer raised: nothing is freed while the side stream may still read it
+        for i, (chunk_range, event) in enumerate(done):
+            stream = (main, second)[i % 2]
+            stream.wait_event(event)
+            with torch.cuda.stream(stream):  # the caller launches the range while this generator waits here
+                yield chunk_range
+    finally:  # also when the consumer raised: nothing is freed while the other streams may still use it
         main.wait_stream(side)
+        main.wait_stream(second)
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,14 +351,20 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     if side is None:
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
-    ranges = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the reverse scan's
-    if mode != "reverse_scan" and consumer_ranges_apply(sc):
+    ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
+    n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C))
+    if n_ranges > 1 and reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
+                                                   num_segments=sc.reverse_scan_segments,
+                                                   split_max_programs=split_limit) > 1:
+        n_ranges = 1  # a split scan runs its segments side by side already
+    if mode != "reverse_scan" and n_ranges > 1:
         dS1, Rbar, dh0, launches = reverse_state_scan_ranges(
             q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v,
             num_warps=rs.num_warps, num_stages=rs.num_stages, state_dtype=state_dtype,
             want_dh0=initial_state is not None, num_segments=sc.reverse_scan_segments,
-            split_max_programs=split_limit, num_ranges=sc.consumer_ranges)
+            split_max_programs=split_limit, num_ranges=n_ranges)
         ranges = _scan_beside_consumer(launches, chase_streams(k.device))
+        dv_out = dvl if dvl.dtype == v.dtype else None  # dv over dv_local, range by range (consumer_tma)
     elif mode != "reverse_scan":
         dS1, Rbar, dh0 = run_reverse_scan(dvl)
     del dvl, W
@@ -343,7 +377,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     cc = sc.consumer_cfg
     given = {} if dq_made is None else {"dq": dq_made[0], "gbq": dq_made[1]}
     if ranges is not None:
-        given["chunk_ranges"] = ranges
+        given.update(chunk_ranges=ranges, dv_out=dv_out)
     dq, dk, dv, dg, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)

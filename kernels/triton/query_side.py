@@ -37,7 +37,7 @@ def rewy_bwd_kernel_query_side(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, 0)
     bos = (i_b * T * H + i_h).to(tl.int64)  # token (b, 0, h)
     S0 += ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
     q += bos * K

@@ -269,11 +269,12 @@ def rewy_bwd_scan_kernel(
     H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
-    STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr = False,
+    STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr,
 ):
     # PHASE 0: reverse scan of segment s from dh_in[bh, s] (gradient at the segment's end; zero if absent),
     #          storing dS1 per chunk, R̄, and dh0 for segment 0. CARRY (chunk ranges, one launch each from the
-    #          last): the state at the segment's start goes to dh_in[bh, s - 1], the next launch's entering state.
+    #          last): dh_in is [BH, 2, K, V]; the launch enters from slot s % 2 and leaves the state at the
+    #          segment's start in slot (s - 1) % 2, the next launch's entering state.
     # PHASE 1: augmented transfer scan (bias columns from zero, identity columns without bias terms);
     #          stores the gradient at the segment's start into X[bh, s].
     # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
@@ -283,6 +284,8 @@ def rewy_bwd_scan_kernel(
     is_bias = cols < V
     dt = k.dtype.element_ty
     p_in = (i_bh * NS + i_s) * K * V
+    if CARRY:  # two carry slots per state, used in turn: this launch reads slot s % 2 and writes the other
+        p_in = (i_bh * 2 + i_s % 2) * K * V
     b_d0 = _state_block_init(dh_in, p_in, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_DH_IN)
     if NB > 1:
         b_d1 = _state_block_init(dh_in, p_in, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_DH_IN)
@@ -355,7 +358,7 @@ def rewy_bwd_scan_kernel(
     if PHASE == 0:
         if CARRY:
             if i_s > 0:  # fp32 as the registers hold it: the ranges give the unsplit scan's bits
-                p_c = dh_in + (i_bh * NS + i_s - 1) * K * V
+                p_c = dh_in + (i_bh * 2 + (i_s - 1) % 2) * K * V
                 _state_block_store(p_c, b_d0, cols, is_bias, V, 0, K, KB)
                 if NB > 1:
                     _state_block_store(p_c, b_d1, cols, is_bias, V, 1, K, KB)
@@ -628,6 +631,15 @@ def reverse_state_scan(
     return dS1, Rbar, dh0
 
 
+def reverse_scan_segment_count(k: torch.Tensor, G: torch.Tensor | None, V: int, *, chunk_size: int, BV: int,
+                               num_segments: int, split_max_programs: int) -> int:
+    """How many segments `reverse_state_scan` splits the sequence into for these arguments (1: it does not)."""
+    B, T, H, _ = k.shape
+    NS, _ = _segments(triton.cdiv(T, chunk_size), num_segments, triton.cdiv(V, BV) * B * H, split_max_programs,
+                      _split_overhead(gate_kind(G, k)))
+    return NS
+
+
 def chunk_ranges(NT: int, num_ranges: int) -> list[tuple[int, int]]:
     """`num_ranges` (at most NT) chunk ranges [c0, c1) of equal length but the first, from the last range to the
     first: the order the reverse scan finishes them."""
@@ -695,30 +707,34 @@ def reverse_state_scan_ranges(
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=gk, HAS_DVL=dvl is not None,
                   PREC=prec, num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
+    # Scratch is allocated here, on the caller's stream, not in the launches, which the pipeline runs on its side
+    # stream. It lives as long as the iterator: the pipeline takes this path only where the scan does not split
+    # (`reverse_scan_segment_count`), since a split scan's X and entering states held beside the consumer put
+    # DeltaNet A's peak at (1, 8192, 4) up 56.1 -> 62.1 MiB (session 18); the carry is two [K, V] states per B·H.
+    X = torch.empty(B * H, NS, K, VP + K, dtype=torch.float32, device=k.device) if NS > 1 else None
+    dh_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device) if NS > 1 else dht
+    carry = torch.empty(B * H, 2, K, V, dtype=torch.float32, device=k.device) if len(ranges) > 1 else None
 
     def whole():
-        dh_in = dht
         if NS > 1:
-            X = torch.empty(B * H, NS, K, VP + K, dtype=torch.float32, device=k.device)
             grid1 = (triton.cdiv(VP + K, BV), B * H, NS - 1)  # segment 0's transfer is never used
             rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, scale, T, NT, CPS, 1, NS=NS,
-                                        PHASE=1, USE_DH_IN=False, STORE_DH0=False, **common)
-            dh_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
+                                        PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
+                                        **common)
             rewy_segment_combine_kernel[(triton.cdiv(V, COMBINE_BV), B * H)](
                 X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=dht is not None,
                 REVERSE=True, PREC=prec, num_warps=num_warps, num_stages=1)
         rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT, CPS,
                                               0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,
-                                              **common)
+                                              CARRY=False, **common)
         yield 0, NT
 
     def in_ranges():
         NR, per = len(ranges), ranges[-1][1]  # the first range is the longest
-        carry = torch.empty(B * H, NR, K, V, dtype=torch.float32, device=k.device)
-        if dht is not None:
-            carry[:, NR - 1].copy_(dht.view(B * H, K, V))
+        if dht is not None:  # carry: two slots, used in turn
+            carry[:, (NR - 1) % 2].copy_(dht.view(B * H, K, V))
         else:
-            carry[:, NR - 1].zero_()
+            carry[:, (NR - 1) % 2].zero_()
         for i_s, (c0, c1) in zip(reversed(range(NR)), ranges):
             rewy_bwd_scan_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, carry, dS1, Rbar, dh0, None, scale, T, NT,
                                                  per, i_s, NS=NR, PHASE=0, USE_DH_IN=True, STORE_DH0=want_dh0,

@@ -87,7 +87,7 @@ def rewy_bwd_kernel_dv_local_vector(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr,
 ):
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, _ = _chunk_prologue(T, H, BT)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, _ = _chunk_prologue(T, H, BT, 0)
     blk = (o_i // BC) * BC
 
     # b_at[j, i] = Σ_f k_jf q_if Λ_ijf (row j, column i), accumulated over K tiles in fp32.
@@ -260,7 +260,7 @@ def rewy_bwd_kernel_consumer_vector(
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
     # alone; a scalar erase path (a sum over features) goes to fp32 parts that the launcher sums.
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, 0)
     i_bh = tl.program_id(1)
     i_ks = tl.program_id(2)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)

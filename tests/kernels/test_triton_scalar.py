@@ -444,7 +444,7 @@ def _stand_in_streams(monkeypatch, log, *, caller_on_side=False):
         def wait_event(self, event):
             log.append(f"{self.name} waits {event}'s event")
 
-    main, side = Stream("main"), Stream("side")
+    main, side, second = Stream("main"), Stream("side"), Stream("second")
     current = [main]
 
     @contextlib.contextmanager
@@ -458,7 +458,7 @@ def _stand_in_streams(monkeypatch, log, *, caller_on_side=False):
 
     monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream)
     monkeypatch.setattr(pipeline, "side_stream", lambda device: main if caller_on_side else side)
-    monkeypatch.setattr(pipeline, "chase_streams", lambda device: None if caller_on_side else (main, side))
+    monkeypatch.setattr(pipeline, "chase_streams", lambda device: None if caller_on_side else (main, side, second))
     monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
     for attr, name in (("run_dv_local", "dv_local"), ("recompute_wu", "recompute"),
@@ -546,7 +546,8 @@ def test_scans_side_by_side_split_on_half_the_sms(mode, waves, limit, monkeypatc
 def test_reverse_scan_in_ranges_gives_the_scans_bits(gate, dht):
     # Schedule.consumer_ranges: the reverse scan one chunk range per launch, from the last, the state carried in
     # fp32 between launches: the same bits as one launch, and the ranges come out in the order they are final
-    from rewy_tune.kernels.triton.scan import chunk_ranges, reverse_state_scan, reverse_state_scan_ranges
+    from rewy_tune.kernels.triton.scan import (chunk_ranges, reverse_scan_segment_count, reverse_state_scan,
+                                               reverse_state_scan_ranges)
 
     gen = torch.Generator().manual_seed(3)
     B, T, H, K, V = 1, 100, 2, 32, 32
@@ -570,6 +571,11 @@ def test_reverse_scan_in_ranges_gives_the_scans_bits(gate, dht):
     # a split scan already runs its chunks side by side: whole, one range
     *outs, launches = reverse_state_scan_ranges(q, k, W, G, do, dvl, dh, num_ranges=4, num_segments=3, **kw)
     assert list(launches) == [(0, 7)]
+    for a, b in zip(outs, reverse_state_scan(q, k, W, G, do, dvl, dh, num_segments=3, **kw)):
+        assert torch.equal(a, b)
+    seg = dict(chunk_size=16, BV=16, split_max_programs=0)
+    assert reverse_scan_segment_count(k, G, V, num_segments=3, **seg) == 3
+    assert reverse_scan_segment_count(k, G, V, num_segments=1, **seg) == 1
     with pytest.raises(ValueError, match=r"num_ranges must be a positive int, got 0"):
         reverse_state_scan_ranges(q, k, W, G, do, dvl, dh, num_ranges=0, **kw)
 
@@ -603,8 +609,9 @@ def _range_spy(monkeypatch, log):
 
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_consumer_ranges_follow_the_reverse_scan(op, monkeypatch):
-    # policy A with the forward's W: every scan range on the side stream first, then each consumer range on the main
-    # stream after the side stream's event for its scan range; the same bits as one scan and one consumer launch
+    # policy A with the forward's W: every scan range on the side stream first, then each consumer range, on the main
+    # and a second stream in turn, after the side stream's event for its scan range; both join the main stream. The
+    # same bits as one scan and one consumer launch
     log = []
     _stand_in_streams(monkeypatch, log)
     _range_spy(monkeypatch, log)
@@ -614,9 +621,10 @@ def test_consumer_ranges_follow_the_reverse_scan(op, monkeypatch):
     assert log == ["dv_local on main", "reverse_scan on main", "consumer on main", "consumer 0-4 on main"]
     log.clear()
     ranged = run_triton(x, s.replace(consumer_ranges=2), "A")
-    assert log == ["dv_local on main", "consumer on main", "side waits main", "scan 2-4 on side", "side records",
-                   "scan 0-2 on side", "side records", "main waits side's event", "consumer 2-4 on main",
-                   "main waits side's event", "consumer 0-2 on main", "main waits side"]
+    assert log == ["dv_local on main", "consumer on main", "side waits main", "second waits main",
+                   "scan 2-4 on side", "side records", "scan 0-2 on side", "side records",
+                   "main waits side's event", "consumer 2-4 on main", "second waits side's event",
+                   "consumer 0-2 on second", "main waits side", "main waits second"]
     for n in NAMES:
         if whole[n] is not None:
             assert torch.equal(whole[n], ranged[n]), n
@@ -636,6 +644,41 @@ def test_consumer_ranges_apply_to_the_last_alone_reverse_scan(monkeypatch):
     log.clear()
     assert_gates(run_triton(x, s.replace(consumer="joint"), "A"), oracle(x, C=32), ctx="ranges, pointer consumer")
     assert not [e for e in log if re.match(r"(scan|consumer) \d", e)]
+    log.clear()  # a reverse scan that splits (2 segments of 2 chunks, no occupancy limit) runs as one stage
+    split = s.replace(side_stream="none", w_source="forward", reverse_scan_segments=2, scan_split_waves=0)
+    assert_gates(run_triton(x, split, "A"), oracle(x, C=32), ctx="ranges, split scan")
+    assert log == ["dv_local on main", "reverse_scan on main", "consumer on main", "consumer 0-4 on main"]
+
+
+def test_consumer_range_count():
+    # "auto" (0): ranges of at least 16 chunks where that makes 4 or more, at most 8; joint_tma only
+    from rewy_tune.kernels.triton.pipeline import consumer_range_count
+
+    tma = BASE.replace(consumer="joint_tma", consumer_ranges=0)
+    assert [consumer_range_count(tma, nt) for nt in (8, 32, 63, 64, 100, 128, 512)] == [1, 1, 1, 4, 6, 8, 8]
+    assert consumer_range_count(tma.replace(consumer_ranges=2), 4) == 2
+    assert consumer_range_count(tma.replace(consumer="joint"), 512) == 1
+
+
+def test_consumer_ranges_write_dv_over_dv_local(monkeypatch):
+    # under ranges the consumer writes dv into dv_local's buffer (the scan has read each range's rows first), so
+    # the two are never held at once: the dv returned is the buffer dv_local made
+    from rewy_tune.kernels.triton import pipeline
+
+    made = []
+    real = pipeline.run_dv_local
+    monkeypatch.setattr(pipeline, "run_dv_local", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=77)
+    s = BASE.replace(consumer="joint_tma", chunk_size=32, w_source="forward")
+    one = run_triton(x, s, "A")
+    ranged = run_triton(x, s.replace(consumer_ranges=2), "A")
+    assert ranged["dv"] is made[-1] and one["dv"] is not made[0]
+    assert torch.equal(one["dv"], ranged["dv"])
+    from rewy_tune.kernels.triton.consumer_tma import consumer_tma
+
+    args = _consumer_args(True, torch.float32)
+    with pytest.raises(ValueError, match=r"dv_out must be a contiguous \(1, 100, 2, 64\) tensor in torch.float32, got"):
+        consumer_tma(*args, scale=0.3, chunk_size=64, BK=16, BV=32, dv_out=torch.empty(1, 100, 2, 32))
 
 
 def test_consumer_ranges_join_when_the_consumer_raises(monkeypatch):
@@ -659,7 +702,7 @@ def test_consumer_ranges_join_when_the_consumer_raises(monkeypatch):
     s = BASE.replace(consumer="joint_tma", chunk_size=32, w_source="forward", consumer_ranges=4)
     with pytest.raises(RuntimeError, match="consumer launch failed"):
         run_triton(x, s, "A")
-    assert log[-1] == "main waits side" and len(calls) == 2
+    assert log[-2:] == ["main waits side", "main waits second"] and len(calls) == 2
 
 
 def test_consumer_tma_rejects_bad_chunk_ranges():
@@ -790,7 +833,7 @@ def test_schedule_json_roundtrip_and_validation():
     with pytest.raises(ValueError, match=r"dq_stage must be one of \('consumer', 'separate'\), got 'beside'"):
         BASE.replace(dq_stage="beside")
     for bad in (3, True, "2", 16):
-        with pytest.raises(ValueError, match=r"consumer_ranges must be one of \(1, 2, 4, 8\), got"):
+        with pytest.raises(ValueError, match=r"consumer_ranges must be one of \(0, 1, 2, 4, 8\), got"):
             BASE.replace(consumer_ranges=bad)
     assert Schedule.from_dict({k: v for k, v in BASE.to_dict().items() if k != "consumer_ranges"}).consumer_ranges == 1
     with pytest.raises(ValueError, match="block_k"):
@@ -1034,8 +1077,8 @@ def test_gpu_side_stream(op, B, T, H):
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 1000, 4)])
 def test_gpu_consumer_ranges(op, B, T, H):
-    # policy A (the reverse scan runs last and alone): each consumer range on the main stream after the side
-    # stream's scan of it. The same bits as one scan then one consumer launch (a missing wait would race), and the
+    # policy A (the reverse scan runs last and alone): each consumer range on the main or the second stream after
+    # the side stream's scan of it. The same bits as one scan then one consumer launch (a missing wait would race), and the
     # bf16 gate; (1, 1000, 4): the scan splits there and the ranges fall back to one
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 11, gate_div=1.0)
     base = _gpu_default()
@@ -1251,7 +1294,7 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     sig = {n: d4(64) for n in ("q_d", "k_d", "v_d", "r_d", "rb_d", "do_d", "dq_d", "dk_d", "dv_d")}
     sig.update({"a_d": d4(64), "s0_d": f"tensordesc<{dt}[1, 64, 64]>", "ds1_d": f"tensordesc<{dt}[1, 64, 64]>"})
     sig.update({"G": "*fp32", "erase": p, "write": p, "dg": "*fp32", "derase": p, "dwrite": p})
-    sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32", "n_tok": "i32"})
+    sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32", "n_tok": "i32", "c_off": "i32"})
     sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ",
                                          "GAMMA_T", "STORE_P", "KSPLIT")})
     for use_g, split, gamma_t, store_p, nw, ks in (
