@@ -48,8 +48,8 @@ twice the chunks still fit in one wave of the consumer's CTAs). ``dq_stage`` is 
 forms dq (and Ḡ's query side) in the consumer; "separate" forms them in a stage of their own
 (``kernels/triton/query_side.py``), which reads dO, R, S0, Q, K and G but nothing of the reverse scan, so it runs on
 the main stream while the side stream runs dv_local and the reverse scan (under policy A too), and the consumer skips
-its dO S0ᵀ and Γ_q K products. ``consumer_ranges`` is read by joint_tma only, where the reverse scan runs last and
-alone (not beside the forward scan): n > 1 cuts the chunks into n ranges; the reverse scan runs one range per
+its dO S0ᵀ and Γ_q K products. ``consumer_ranges`` is read by joint_tma and by the vector gates' joint consumer,
+where the reverse scan runs last and alone (not beside the forward scan) and does not split: n > 1 cuts the chunks into n ranges; the reverse scan runs one range per
 launch from the last, on the side stream, and the consumer of each range is launched on the main stream as soon as
 the scan has finished it, beside the scan of the earlier ranges (the scan's B·H·V/BV programs leave most SMs idle
 where B·H ≥ 16 under policy A); the consumer's ranges alternate between the main stream and a second one. 0
@@ -72,7 +72,7 @@ W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
 DQ_STAGES = ("consumer", "separate")
 CONSUMER_K_SPLITS = (0, 1, 2, 4)  # 0: "auto", chosen from the consumer's grid (local.programs_per_chunk)
-CONSUMER_RANGES = (0, 1, 2, 4, 8)  # joint_tma: the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
+CONSUMER_RANGES = (0, 1, 2, 4, 8)  # the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -156,7 +156,7 @@ class Schedule:
     side_stream: str = "none"  # stages on a second CUDA stream: "dv_local", or it and the "reverse_scan" too
     consumer_k_split: int = 1  # joint_tma / vector consumers: programs per chunk, each over a share of the K tiles
     dq_stage: str = "consumer"  # joint_tma: dq formed in the consumer, or in its own stage beside the reverse scan
-    consumer_ranges: int = 1  # joint_tma: consumer launches, each on chunks the reverse scan has finished
+    consumer_ranges: int = 1  # joint_tma, vector joint: consumer launches, each on chunks the scan has finished
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:

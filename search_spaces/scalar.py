@@ -35,12 +35,13 @@ SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
-TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_ranges")
+TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
     # the scalar pointer consumers do not read it (the vector consumers do: vector.py drops this condition)
     "consumer_k_split": ("consumer", "joint_tma"),
+    "consumer_ranges": ("consumer", "joint_tma"),  # the vector joint consumer reads it too (vector.py)
     "pd_dtype": ("consumer", "separate"),
     "producer.block_v": ("consumer", "separate"),
     "producer.num_warps": ("consumer", "separate"),

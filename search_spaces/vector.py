@@ -79,7 +79,9 @@ __all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PREC
 # not sample it (each such trial would otherwise have duplicates that differ in an unread field).
 CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.items()
                                              if n not in (*scalar.TMA_ONLY_FIELDS, "consumer_k_split")},
-                                          "dv_local.block_k": ("dv_local_source", "recompute")}
+                                          "dv_local.block_k": ("dv_local_source", "recompute"),
+                                          # the joint vector consumer runs in chunk ranges; the separate one does not
+                                          "consumer_ranges": ("consumer", "joint")}
 
 
 def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:

@@ -228,13 +228,16 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         sp = vector.space(K, V)
         base = vector.default_schedule((9, 0), K=K, V=V)
         # the vector space is the scalar one without joint_tma's own fields (vector gates never run joint_tma)
-        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_ranges"}
+        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage"}
         assert set(scalar.TMA_ONLY_FIELDS) == tma_only
         assert set(scalar.space(K, V)) - tma_only <= set(sp) and not tma_only & set(sp)
         assert not tma_only & set(vector.CONDITIONS)
         # both vector consumers read consumer_k_split; of the scalar ones only joint_tma does
         assert "consumer_k_split" in sp and "consumer_k_split" not in vector.CONDITIONS
         assert scalar.CONDITIONS["consumer_k_split"] == ("consumer", "joint_tma")
+        # consumer_ranges: joint_tma among the scalar consumers, the joint one among the vector consumers
+        assert "consumer_ranges" in sp and vector.CONDITIONS["consumer_ranges"] == ("consumer", "joint")
+        assert scalar.CONDITIONS["consumer_ranges"] == ("consumer", "joint_tma")
         assert all(scalar.CONDITIONS[n] == ("consumer", "joint_tma") for n in tma_only)
         assert sp["intra"] == ["auto", "subchunk"] and set(sp["intra"]) <= set(INTRA_MODES)
         assert "centred" not in sp["intra"]  # unguarded: overflows on strong decays

@@ -71,7 +71,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .local import (_check_consumer_args, _chunk_prologue, _dk_rows, _dq_rows, _gamma_matrices, _row_gates,
-                    _store_row_grads, programs_per_chunk, sum_row_parts)
+                    _store_row_grads, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts)
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -327,10 +327,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     if not dq_given:
         dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    if dv_out is not None and (dv_out.shape != v.shape or dv_out.dtype != v.dtype or not dv_out.is_contiguous()):
-        raise ValueError(f"dv_out must be a contiguous {tuple(v.shape)} tensor in {v.dtype}, got "
-                         f"{tuple(dv_out.shape)} in {dv_out.dtype}")
-    dv = torch.empty_like(v) if dv_out is None else dv_out
+    dv = output_buffer(dv_out, v, "dv_out")
     C = chunk_size
     if gamma_t:  # Γ_q, Γ_r per chunk in the operand dtype, read back transposed
         dk_col, gam = None, torch.empty(B * NT * H, 2, C, C, dtype=k.dtype, device=q.device)
@@ -353,14 +350,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
              TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
              TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
              _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV))
-    done = []  # the ranges launched: each chunk exactly once
-    for c0, c1 in ([(0, NT)] if chunk_ranges is None else chunk_ranges):
-        if not 0 <= c0 < c1 <= NT:
-            raise ValueError(f"chunk_ranges: ({c0}, {c1}) is not a range of the {NT} chunks")
-        twice = [c for a, b in done for c in range(max(a, c0), min(b, c1))]
-        if twice:
-            raise ValueError(f"chunk_ranges covered chunk {twice[0]} twice")
-        done.append((c0, c1))
+    for c0, c1 in checked_ranges(chunk_ranges, NT):
         rewy_bwd_kernel_consumer_tma[(c1 - c0, B * H, k_split)](
             *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq,
             T, NT, float(scale), B * T * H, c0,
@@ -368,8 +358,6 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
             SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split,
             DQ_GIVEN=dq_given, num_warps=num_warps, num_stages=num_stages,
         )
-    if sum(b - a for a, b in done) != NT:
-        raise ValueError(f"chunk_ranges covered {sum(b - a for a, b in done)} chunks, not the {NT} there are")
     if k_split > 1:
         sum_row_parts(derp, dwp, dgp, derase, dwrite, dg)
     return dq, dk, dv, dg, derase, dwrite

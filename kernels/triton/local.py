@@ -347,6 +347,32 @@ def rewy_bwd_kernel_row_parts(derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT:
         tl.store(dg + o, b_g, mask=m)
 
 
+def checked_ranges(chunk_ranges, NT: int):
+    """A consumer launcher's chunk ranges (c0, c1), as given (None: one range over every chunk), each checked to be
+    a range of the NT chunks that none before it covered; after the last, that they covered every chunk."""
+    done = []
+    for c0, c1 in ([(0, NT)] if chunk_ranges is None else chunk_ranges):
+        if not 0 <= c0 < c1 <= NT:
+            raise ValueError(f"chunk_ranges: ({c0}, {c1}) is not a range of the {NT} chunks")
+        twice = [c for a, b in done for c in range(max(a, c0), min(b, c1))]
+        if twice:
+            raise ValueError(f"chunk_ranges covered chunk {twice[0]} twice")
+        done.append((c0, c1))
+        yield c0, c1
+    if sum(b - a for a, b in done) != NT:
+        raise ValueError(f"chunk_ranges covered {sum(b - a for a, b in done)} chunks, not the {NT} there are")
+
+
+def output_buffer(given, like: torch.Tensor, name: str) -> torch.Tensor:
+    """`given` checked to be a contiguous tensor of `like`'s shape and dtype, or a new one like it (None)."""
+    if given is None:
+        return torch.empty_like(like)
+    if given.shape != like.shape or given.dtype != like.dtype or not given.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {tuple(like.shape)} tensor in {like.dtype}, got "
+                         f"{tuple(given.shape)} in {given.dtype}")
+    return given
+
+
 def sum_row_parts(derp, dwp, dgp, derase, dwrite, dg) -> None:
     """Sum the [k, ...] fp32 parts derp (and dwp, dgp where not None) into derase (dwrite, dg), all [B,T,H]."""
     n_tok = derase.numel()

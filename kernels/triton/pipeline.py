@@ -181,11 +181,12 @@ def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: boo
 MIN_RANGE_CHUNKS = 16
 
 
-def consumer_range_count(schedule: Schedule, NT: int) -> int:
-    """How many chunk ranges the consumer runs in (Schedule.consumer_ranges; read by joint_tma only, 1 for the
-    others). The pipeline uses them only where the reverse scan runs last and alone (not beside the forward scan:
-    side_stream "reverse_scan" with a stage before it), and the scan keeps one where it splits."""
-    if schedule.consumer != "joint_tma":
+def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False) -> int:
+    """How many chunk ranges the consumer runs in (Schedule.consumer_ranges; read by joint_tma and, for vector gates,
+    the joint consumer; 1 for the others). The pipeline uses them only where the reverse scan runs last and alone
+    (not beside the forward scan: side_stream "reverse_scan" with a stage before it), and not where the scan
+    splits."""
+    if schedule.consumer != ("joint" if vector else "joint_tma"):
         return 1
     if schedule.consumer_ranges:
         return schedule.consumer_ranges
@@ -352,7 +353,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
-    n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C))
+    n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C), vector=G is not None and G.dim() == 4)
     if n_ranges > 1 and reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
                                                    num_segments=sc.reverse_scan_segments,
                                                    split_max_programs=split_limit) > 1:

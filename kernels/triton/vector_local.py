@@ -40,7 +40,7 @@ import triton.language as tl
 
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .local import _chunk_prologue, _output_like, programs_per_chunk, sum_row_parts
+from .local import _chunk_prologue, _output_like, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
@@ -247,11 +247,11 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
     return m, tok, tok[:, None] * K + o_k[None, :], m[:, None] & m_k[None, :]
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
     dq, dk, dv, hd, dg, derase, dwrite, paths,
-    T, NT, scale, n_tok,
+    T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
@@ -260,7 +260,7 @@ def rewy_bwd_kernel_consumer_vector(
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
     # alone; a scalar erase path (a sum over features) goes to fp32 parts that the launcher sums.
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, 0)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, c_off)
     i_bh = tl.program_id(1)
     i_ks = tl.program_id(2)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
@@ -530,9 +530,12 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
-                    intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1):
+                    intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1, chunk_ranges=None,
+                    dv_out=None):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
     programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
+    chunk_ranges, dv_out: as ``consumer_tma.consumer_tma``'s (Schedule.consumer_ranges: one launch per chunk range,
+    each after the reverse scan's; dv written into a given buffer); the same bits as one launch.
 
     Returns (dq, dk, dv, dg, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
@@ -560,7 +563,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     k_split = programs_per_chunk(k_split, K, BK, chunks=NT * B * H, num_warps=num_warps, device=q.device)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dv = output_buffer(dv_out, v, "dv_out")
     # H_< | D rows, one scratch per program of a chunk
     hd = torch.empty(k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
     dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
@@ -569,16 +572,17 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     scalar_erase_parts = k_split > 1 and erase.dim() == 3
     derp = torch.empty(k_split, B, T, H, dtype=torch.float32, device=q.device) if scalar_erase_parts else derase
     paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
-    rewy_bwd_kernel_consumer_vector[(NT, B * H, k_split)](
-        q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-        dq, dk, dv, hd, dg, derp, dwrite, paths,
-        T, NT, float(scale), B * T * H,
-        H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
-        ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
-        INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
-        IPREC=_intra_precision(intra_precision), KSPLIT=k_split,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    for c0, c1 in checked_ranges(chunk_ranges, NT):
+        rewy_bwd_kernel_consumer_vector[(c1 - c0, B * H, k_split)](
+            q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
+            dq, dk, dv, hd, dg, derp, dwrite, paths,
+            T, NT, float(scale), B * T * H, c0,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
+            ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
+            INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
+            IPREC=_intra_precision(intra_precision), KSPLIT=k_split,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)
     return dq, dk, dv, dg, derase, dwrite, paths

@@ -204,6 +204,39 @@ def test_consumer_k_split(op, k_split, consumer):
     assert_gates(run_triton(x, base.replace(consumer_k_split=k_split), "A"), oracle(x), ctx=f"{op} k{k_split} A")
 
 
+@pytest.mark.parametrize("source", ["recompute", "forward"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_consumer_ranges(op, source, monkeypatch):
+    # Schedule.consumer_ranges on the joint vector consumer (policy A: the reverse scan runs last and alone): one
+    # launch per chunk range after the scan's, dv written over dv_local's buffer; the same bits as one launch
+    # (4 chunks of 32, a 4-row tail), the gate; the separate consumer keeps one launch
+    from rewy_tune.kernels.triton import vector_local
+
+    launches = []
+    real = vector_local.rewy_bwd_kernel_consumer_vector
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((args[26], grid[0]))  # (c_off, chunks)
+                return real[grid](*args, **kw)
+            return launch
+
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=19)
+    base = BASE.replace(chunk_size=32, w_source="forward", dv_local_source=source)
+    one = run_triton(x, base, "A")
+    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    ranged = run_triton(x, base.replace(consumer_ranges=2), "A")
+    assert launches == [(2, 2), (0, 2)]
+    launches.clear()
+    run_triton(x, base.replace(consumer_ranges=2, consumer="separate"), "A")
+    assert launches == [(0, 4)]
+    for n in NAMES:
+        if one[n] is not None:
+            assert torch.equal(one[n], ranged[n]), n
+    assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges {source}")
+
+
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_no_initial_state_no_dht(op):
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=3, h0=False, dht=False)
@@ -643,6 +676,24 @@ def test_gpu_side_stream(op, source, mode):
         if in_order[n] is not None:
             assert torch.equal(in_order[n], beside[n]), n
     assert_gates(beside, oracle(x, device="cuda"), ctx=f"gpu {op} dv_local {source} side stream {mode}")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (1, 8192, 4)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_consumer_ranges(op, B, T, H):
+    # policy A: the joint vector consumer's chunk ranges after the side stream's scan of each, on two streams: the
+    # same bits as one launch (a missing wait would race) and the gate; (1, 8192, 4): the scan splits, one launch
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0)
+    s = _gpu_schedule(128, op)
+    one = run_triton(x, s.replace(consumer_ranges=1), "A")
+    for n_ranges in (2, 4, 8):
+        ranged = run_triton(x, s.replace(consumer_ranges=n_ranges), "A")
+        for n in NAMES:
+            if one[n] is not None:
+                assert torch.equal(one[n], ranged[n]), (n_ranges, n)
+    assert_gates(ranged, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} A consumer ranges")
 
 
 @pytest.mark.gpu
