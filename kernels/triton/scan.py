@@ -597,35 +597,10 @@ def forward_state_scan(
     return Hs, R
 
 
-def reverse_state_scan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    W: torch.Tensor,
-    G: torch.Tensor | None,
-    do: torch.Tensor,
-    dv_local: torch.Tensor | None,
-    dht: torch.Tensor | None,
-    *,
-    scale: float,
-    chunk_size: int = 64,
-    BK: int = 128,
-    BV: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    state_dtype: torch.dtype = torch.float32,
-    want_dh0: bool = True,
-    num_segments: int = 1,
-    split_max_programs: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Reverse state scan (§4). Returns (dS1 per chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype,
-    dh0 [B,H,K,V] fp32 or None when want_dh0 is False).
-
-    q, k, W [B,T,H,K]; do, dv_local [B,T,H,V] (dv_local None means zero); dht None | [B,H,K,V].
-    """
-    dS1, Rbar, dh0, launches = reverse_state_scan_ranges(
-        q, k, W, G, do, dv_local, dht, scale=scale, chunk_size=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
-        num_stages=num_stages, state_dtype=state_dtype, want_dh0=want_dh0, num_segments=num_segments,
-        split_max_programs=split_max_programs)
+def reverse_state_scan(q, k, W, G, do, dv_local, dht, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reverse state scan (§4) in one go: `reverse_state_scan_ranges` (same arguments) run to the end. Returns
+    (dS1, R̄, dh0)."""
+    dS1, Rbar, dh0, launches = reverse_state_scan_ranges(q, k, W, G, do, dv_local, dht, **kw)
     for _ in launches:
         pass
     return dS1, Rbar, dh0
@@ -668,11 +643,15 @@ def reverse_state_scan_ranges(
     split_max_programs: int = 0,
     num_ranges: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
-    """`reverse_state_scan` a range of chunks at a time (Schedule.consumer_ranges): returns its three outputs,
-    allocated but not yet written, and an iterator that launches the scan. Each step launches the scan of one chunk
-    range (`chunk_ranges`, from the last) on the current stream and yields it (c0, c1); once it has run, dS1 and R̄
-    of those chunks are final, so a consumer can start on them while the scan goes on with the earlier ones. The
-    scan must be run to the end (the iterator exhausted) before dh0 or the other chunks are read.
+    """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
+    chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
+    False), allocated but not yet written, and an iterator that launches the scan. q, k, W [B,T,H,K]; do, dv_local
+    [B,T,H,V] (dv_local None means zero); dht None | [B,H,K,V].
+
+    Each step of the iterator launches the scan of one chunk range (`chunk_ranges`, from the last) on the current
+    stream and yields it (c0, c1); once it has run, dS1 and R̄ of those chunks are final, so a consumer can start on
+    them while the scan goes on with the earlier ones. The scan must be run to the end (the iterator exhausted)
+    before dh0 or the other chunks are read.
 
     Each range is one launch of the plain scan's kernel over its chunks, entering with the state the launch before
     left in an fp32 carry buffer (the registers' own values): the same bits as one launch. Where the scan splits

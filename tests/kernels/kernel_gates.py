@@ -8,7 +8,7 @@ from rewy_tune.gates import ORDINARY_RTOL as ORDINARY
 GATE_LIKE = ("dg", "d_erase", "d_write")
 NAMES = ("dq", "dk", "dv", "dg", "d_erase", "d_write", "dh0")
 
-__all__ = ["GATE", "ORDINARY", "GATE_LIKE", "NAMES", "rel_rms", "assert_gates"]
+__all__ = ["GATE", "ORDINARY", "GATE_LIKE", "NAMES", "rel_rms", "assert_gates", "assert_same_bits"]
 
 
 def rel_rms(a, b):
@@ -16,6 +16,14 @@ def rel_rms(a, b):
     den = b.pow(2).mean().sqrt().item()
     num = (a - b).pow(2).mean().sqrt().item()
     return num / den if den > 0 else num
+
+
+def assert_same_bits(out, want, *, ctx=""):
+    """Every gradient of `want` that is not None equal bit for bit in `out` (a schedule field that only changes
+    where or when the same kernels run)."""
+    for n in NAMES:
+        if want[n] is not None:
+            assert torch.equal(out[n], want[n]), f"{ctx}: {n} differs"
 
 
 def assert_gates(out, ref, *, ctx=""):

@@ -24,7 +24,7 @@ from rewy_tune.kernels.reference.rewy_backward import rewy_backward
 from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule, StageConfig
 
-from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, rel_rms
+from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
 BASE = Schedule(
@@ -625,9 +625,7 @@ def test_consumer_ranges_follow_the_reverse_scan(op, monkeypatch):
                    "scan 2-4 on side", "side records", "scan 0-2 on side", "side records",
                    "main waits side's event", "consumer 2-4 on main", "second waits side's event",
                    "consumer 0-2 on second", "main waits side", "main waits second"]
-    for n in NAMES:
-        if whole[n] is not None:
-            assert torch.equal(whole[n], ranged[n]), n
+    assert_same_bits(ranged, whole, ctx=f"{op} consumer ranges")
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges")
 
 
@@ -1078,16 +1076,14 @@ def test_gpu_side_stream(op, B, T, H):
 @pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 1000, 4)])
 def test_gpu_consumer_ranges(op, B, T, H):
     # policy A (the reverse scan runs last and alone): each consumer range on the main or the second stream after
-    # the side stream's scan of it. The same bits as one scan then one consumer launch (a missing wait would race), and the
-    # bf16 gate; (1, 1000, 4): the scan splits there and the ranges fall back to one
+    # the side stream's scan of it. The same bits as one scan then one consumer launch (a missing wait would race),
+    # and the bf16 gate; (1, 1000, 4): the scan splits there and the ranges fall back to one
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 11, gate_div=1.0)
     base = _gpu_default()
     one = run_triton(x, base.replace(consumer_ranges=1), "A")
     for n in (2, 4, 8):
         ranged = run_triton(x, base.replace(consumer_ranges=n), "A")
-        for name in NAMES:
-            if one[name] is not None:
-                assert torch.equal(one[name], ranged[name]), (n, name)
+        assert_same_bits(ranged, one, ctx=f"{n} ranges")
     assert_bf16(ranged, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
                 f"gpu {op} {B},{T},{H} A consumer ranges")
 

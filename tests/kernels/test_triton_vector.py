@@ -28,7 +28,7 @@ from rewy_tune.kernels.triton.vector_local import (
 )
 from rewy_tune.schedule import Schedule, StageConfig
 
-from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, rel_rms
+from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
 BASE = Schedule(
@@ -231,9 +231,7 @@ def test_consumer_ranges(op, source, monkeypatch):
     launches.clear()
     run_triton(x, base.replace(consumer_ranges=2, consumer="separate"), "A")
     assert launches == [(0, 4)]
-    for n in NAMES:
-        if one[n] is not None:
-            assert torch.equal(one[n], ranged[n]), n
+    assert_same_bits(ranged, one, ctx=f"{op} consumer ranges {source}")
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges {source}")
 
 
@@ -690,9 +688,7 @@ def test_gpu_consumer_ranges(op, B, T, H):
     one = run_triton(x, s.replace(consumer_ranges=1), "A")
     for n_ranges in (2, 4, 8):
         ranged = run_triton(x, s.replace(consumer_ranges=n_ranges), "A")
-        for n in NAMES:
-            if one[n] is not None:
-                assert torch.equal(one[n], ranged[n]), (n_ranges, n)
+        assert_same_bits(ranged, one, ctx=f"{n_ranges} ranges")
     assert_gates(ranged, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} A consumer ranges")
 
 
