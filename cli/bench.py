@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rewy_tune import measure
+from rewy_tune import autotune_parts, measure
 
 
 def parse_shapes(text: list[str] | None) -> list[tuple[int, int, int]]:
@@ -144,6 +144,8 @@ def run_bench(op: str, policy: str, schedule, shapes, K: int, V: int, rounds: in
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "schedule": schedule.to_dict(), "versions": versions, "fla_guard_bypassed": bypassed,
         "geomean_speedup": geo, "shapes": [r.to_dict() for r in results],
+        # FLA's configurations as its autotuners picked them in this process: they can differ from run to run
+        "fla_autotune_picks": autotune_parts.picks(),
     }
 
 

@@ -29,6 +29,22 @@ def autotuners() -> list:
     return [o for o in gc.get_objects() if isinstance(o, Autotuner)]
 
 
+def picks(module_prefix: str = "fla.") -> dict[str, dict[str, str]]:
+    """The configuration each autotuner of the modules under `module_prefix` (fla-core's) has picked so far, per
+    autotuning key: {"module.kernel": {str(key): str(config)}}. fla-core picks per process, so the same shape can run
+    other configurations in another process: session 18 saw FLA's DeltaNet backward 10-22 % slower in one bench
+    process than in another at B·H = 4 (benchmarks/RESULTS.md). A bench records them to tell such runs apart."""
+    out: dict[str, dict[str, str]] = {}
+    for tuner in autotuners():
+        fn = getattr(tuner.fn, "fn", tuner.fn)  # the Python function under the JIT wrapper
+        module = getattr(fn, "__module__", "") or ""
+        if not module.startswith(module_prefix) or not tuner.cache:
+            continue
+        name = f"{module}.{getattr(fn, '__name__', '?')}"
+        out.setdefault(name, {}).update({str(key): str(config) for key, config in tuner.cache.items()})
+    return dict(sorted(out.items()))
+
+
 @contextlib.contextmanager
 def config_part(part: int, parts: int) -> Iterator[int]:
     """Within the block each autotuner keeps its configurations part, part + parts, ... (a kernel with fewer than

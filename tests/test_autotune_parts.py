@@ -73,3 +73,17 @@ def test_a_warm_request_with_a_part_restricts_fla_autotuners_while_it_runs(monke
     (configs, n_fla), = seen
     assert configs == [CONFIGS[0], *CONFIGS[1::3]] and n_fla > 0  # fla-core's gdn2 package was imported and its tuners split
     assert _scaled_copy.configs == CONFIGS
+
+
+def test_picks_names_each_kernel_and_its_chosen_configuration_per_key(monkeypatch):
+    # what a bench records of FLA's autotuners: only the modules under the prefix, only kernels that picked
+    _scaled_copy.cache.clear()
+    _two_configs.cache.clear()
+    assert autotune_parts.picks(__name__) == {}
+    _scaled_copy.cache[(128, "torch.float32")] = CONFIGS[3]
+    got = autotune_parts.picks(__name__)
+    assert list(got) == [f"{__name__}._scaled_copy"]
+    assert got[f"{__name__}._scaled_copy"] == {str((128, "torch.float32")): str(CONFIGS[3])}
+    assert "BLOCK: 32" in str(CONFIGS[3]) and "num_warps: 2" in str(CONFIGS[3])
+    assert autotune_parts.picks("fla.") == {}  # nothing of fla-core imported or picked here
+    _scaled_copy.cache.clear()
