@@ -969,6 +969,9 @@ def main(argv=None) -> int:
     print_summary(out["models"], args)
     out["passed"] = all(r.get("passed") for r in out["models"].values()) and "dry_run_plumbing_error" not in out
     if args.json:
+        from rewy_tune import autotune_parts
+
+        out["fla_autotune_picks"] = autotune_parts.picks()  # FLA's configurations as picked in this process
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(_jsonable(out), f, indent=1)

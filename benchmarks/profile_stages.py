@@ -258,7 +258,8 @@ def main():
                     print(f"   {vname:18s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"policy": args.policy, "versions": measure.software_versions(), "table": table}, f, indent=1)
+            json.dump({"policy": args.policy, "versions": measure.software_versions(), "table": table,
+                       "fla_autotune_picks": autotune_parts.picks()}, f, indent=1)  # FLA's picks in this process
 
 
 if __name__ == "__main__":
