@@ -304,11 +304,12 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         split_limit = max(1, split_limit // 2) if split_limit > 0 else 0  # (0 means no limit)
     dl, rs = sc.dv_local, sc.reverse_scan
 
+    scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
+                     num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
+                     num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
+
     def run_reverse_scan(dvl):
-        return reverse_state_scan(q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v,
-                                  num_warps=rs.num_warps, num_stages=rs.num_stages, state_dtype=state_dtype,
-                                  want_dh0=initial_state is not None, num_segments=sc.reverse_scan_segments,
-                                  split_max_programs=split_limit)
+        return reverse_state_scan(q, k, W, G, do, dvl, dht, **scan_args)
 
     dS1 = Rbar = dh0 = None
     dq_made = None  # (dq, Ḡ_q) from the query-side stage
@@ -353,21 +354,19 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
-    n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C), vector=G is not None and G.dim() == 4)
-    if n_ranges > 1 and reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
-                                                   num_segments=sc.reverse_scan_segments,
-                                                   split_max_programs=split_limit) > 1:
-        n_ranges = 1  # a split scan runs its segments side by side already
-    if mode != "reverse_scan" and n_ranges > 1:
-        dS1, Rbar, dh0, launches = reverse_state_scan_ranges(
-            q, k, W, G, do, dvl, dht, scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v,
-            num_warps=rs.num_warps, num_stages=rs.num_stages, state_dtype=state_dtype,
-            want_dh0=initial_state is not None, num_segments=sc.reverse_scan_segments,
-            split_max_programs=split_limit, num_ranges=n_ranges)
-        ranges = _scan_beside_consumer(launches, chase_streams(k.device))
-        dv_out = dvl if dvl.dtype == v.dtype else None  # dv over dv_local, range by range (consumer_tma)
-    elif mode != "reverse_scan":
-        dS1, Rbar, dh0 = run_reverse_scan(dvl)
+    if mode != "reverse_scan":
+        n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C), vector=G is not None and G.dim() == 4)
+        if n_ranges > 1 and reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
+                                                       num_segments=sc.reverse_scan_segments,
+                                                       split_max_programs=split_limit) > 1:
+            n_ranges = 1  # a split scan runs its segments side by side already
+        if n_ranges > 1:
+            dS1, Rbar, dh0, launches = reverse_state_scan_ranges(q, k, W, G, do, dvl, dht, num_ranges=n_ranges,
+                                                                 **scan_args)
+            ranges = _scan_beside_consumer(launches, chase_streams(k.device))
+            dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range
+        else:
+            dS1, Rbar, dh0 = run_reverse_scan(dvl)
     del dvl, W
 
     P = D = None
