@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from rewy_tune.kernels.reference.gate import activated_gate
+from rewy_tune.kernels.triton.gate import GateActivation, gate_backward
 from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule
 
@@ -56,13 +58,17 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None)
     return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype))
 
 
-def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state):
+def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state,
+                        gate=None):
     """KDA (erase is write, [B,T,H]) / GDN2 (b [B,T,H,K], w [B,T,H,V]) through fla-core's chunk_kda_fwd /
     chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk, W = w); policy A uses their
     disable_recompute path, which keeps h, v_new and w (policy R: None for the three). Aqk (out[3]) is FLA's
-    A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention."""
+    A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention. gate (a GateActivation): g is the
+    raw gate input, activated by FLA's fused gate-and-cumsum kernel (its use_gate_in_kernel)."""
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   chunk_size=chunk_size, disable_recompute=policy == "A")
+    if gate is not None:
+        common.update(use_gate_in_kernel=True, A_log=gate.A_log, dt_bias=gate.dt_bias, lower_bound=gate.lower_bound)
     if erase.dim() == 3:
         from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
@@ -105,16 +111,19 @@ def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, out
 
 class RewyTritonFunction(torch.autograd.Function):
     """``RewyTritonFunction.apply(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy,
-    output_final_state, schedule) -> (o, final_state)``
+    output_final_state, schedule, gate_in_kernel, A_log, dt_bias, lower_bound) -> (o, final_state)``
 
     Same argument order as ``RewyTorchFunction`` plus ``schedule`` (a Schedule or None for the device
     default). DeltaNet: g None; GDN: g [B,T,H] natural-log per-token gate. erase and write are [B,T,H]; on CUDA
     they must be the same β tensor (FLA's forward has one β); autograd then sums d_erase + d_write into dβ.
+    ``gate_in_kernel`` (KDA/GDN2): g is the raw gate input of FLA's in-kernel gate with A_log [H], dt_bias [H·K]
+    or None and lower_bound (`kernels/reference/gate.py`); the activation runs inside FLA's forward cumsum and
+    the backward's (`kernels/triton/gate.py`), and A_log and dt_bias get their gradients.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state,
-                schedule=None):
+                schedule=None, gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None):
         if policy not in ("R", "A"):
             raise ValueError(f"policy must be 'R' or 'A', got {policy!r}")
         if g is not None and g.dim() not in (3, 4):
@@ -132,6 +141,12 @@ class RewyTritonFunction(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         erase, write = erase.contiguous(), write.contiguous()
         g = g.contiguous() if g is not None else None
+        gate = None
+        if gate_in_kernel:
+            if not vector_gate:
+                raise ValueError("gate_in_kernel: the fused gate activation is for KDA and GDN2 (g [B,T,H,K])")
+            gate = GateActivation(A_log, dt_bias, lower_bound)
+            gate.check(g)
         keep_aqk = vector_gate and schedule.dv_local_source == "forward"
         Aqk = None
         if q.is_cuda and vector_gate:
@@ -139,7 +154,7 @@ class RewyTritonFunction(torch.autograd.Function):
                 raise ValueError("on CUDA, KDA takes one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None
             o, final_state, A, S0, R, Aqk, W = _fla_forward_vector(q, k, v, g, erase, write, h0, scale,
-                                                                   chunk_size, policy, output_final_state)
+                                                                   chunk_size, policy, output_final_state, gate)
         elif q.is_cuda:
             if erase.data_ptr() != write.data_ptr() or erase.shape != write.shape:
                 raise ValueError("on CUDA, DeltaNet/GDN take one β: pass the same tensor as erase and write")
@@ -149,36 +164,45 @@ class RewyTritonFunction(torch.autograd.Function):
         else:
             from rewy_tune.kernels.reference.chunk_forward import chunk_forward
 
-            fwd = chunk_forward(q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
+            g_act = g if gate is None else activated_gate(g, A_log, dt_bias, lower_bound)
+            fwd = chunk_forward(q, k, v, g_act, erase, write, scale=scale, initial_state=initial_state,
                                 chunk_size=chunk_size, save_states=policy == "A")
             o, final_state, A, S0, R, Aqk, W = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R, fwd.Aqk, fwd.W
         Aqk = Aqk if keep_aqk else None  # saved only when the schedule's dv_local reads it
         W = W if schedule.w_source == "forward" else None  # policy A only (None under R)
-        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W)
-        ctx.scale, ctx.schedule = scale, schedule
+        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias)
+        ctx.scale, ctx.schedule, ctx.gate_in_kernel, ctx.lower_bound = scale, schedule, gate is not None, lower_bound
         ctx.set_materialize_grads(False)
         return o, (final_state if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W = ctx.saved_tensors
+        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias = ctx.saved_tensors
+        gate = GateActivation(A_log, dt_bias, ctx.lower_bound) if ctx.gate_in_kernel else None
         do = torch.zeros_like(v) if do is None else do.to(v.dtype)
         h0 = initial_state.float() if initial_state is not None else None
-        # DeltaNet/GDN's one β passed as erase and write: its gradient in one buffer (autograd sums the two slots)
-        one_beta = ((g is None or g.dim() == 3) and erase.shape == write.shape
+        # DeltaNet/GDN/KDA's one β passed as erase and write: its gradient in one buffer (autograd sums the slots)
+        one_beta = (erase.dim() == 3 and erase.shape == write.shape and erase.dtype == write.dtype
                     and erase.data_ptr() == write.data_ptr())
         dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
             q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
-            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W)
+            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate)
+        dA_log = ddt_bias = None
+        if gate is not None:  # dg is the activated gate's (fp32): through the activation to g, A_log, dt_bias
+            dg, dA_log, ddt_bias = gate_backward(g, gate, dg)
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, d_erase, d_write, dh0, None, None, None, None, None
+        return (dq, dk, dv, dg, d_erase, d_write, dh0, None, None, None, None, None, None, dA_log, ddt_bias,
+                None)
 
 
 def run_triton_op(op, q, k, v, g, erase, write, *, initial_state, scale, policy, output_final_state,
-                  schedule=None):
-    """Entry used by `rewy_tune.ops` for backend="triton"."""
+                  schedule=None, gate: GateActivation | None = None):
+    """Entry used by `rewy_tune.ops` for backend="triton" (gate: KDA/GDN2's in-kernel gate, g its raw input)."""
     if op not in SUPPORTED_OPS:
         raise ValueError(f"op: the Triton backward exists for {SUPPORTED_OPS}, got {op!r}")
+    if gate is None:
+        return RewyTritonFunction.apply(q, k, v, g, erase, write, initial_state, scale, 64, policy,
+                                        output_final_state, schedule)
     return RewyTritonFunction.apply(q, k, v, g, erase, write, initial_state, scale, 64, policy,
-                                    output_final_state, schedule)
+                                    output_final_state, schedule, True, gate.A_log, gate.dt_bias, gate.lower_bound)

@@ -19,9 +19,11 @@ on the activated tensors (`Activations`, `activation_plan`, `apply_activations`)
 - ``use_qk_l2norm_in_kernel``: q and k through FLA's `fla.modules.l2norm.l2norm` (eps 1e-6, input dtype out);
 - ``use_beta_sigmoid_in_kernel`` (``allow_neg_eigval``: 2·sigmoid): FLA's `fla.ops.common.gate.fused_beta_sigmoid`
   (float32 out);
-- ``use_gate_in_kernel`` with ``A_log`` / ``dt_bias`` (and ``lower_bound``, KDA and GDN2): FLA's
-  `fla.ops.gated_delta_rule.gate.fused_gdn_gate` (GDN) or `fla.ops.kda.gate.fused_kda_gate` (KDA, GDN2; the
-  gate FLA fuses into its chunk cumsum), float32 out;
+- ``use_gate_in_kernel`` with ``A_log`` / ``dt_bias`` (and ``lower_bound``, KDA and GDN2): GDN's through FLA's
+  `fla.ops.gated_delta_rule.gate.fused_gdn_gate` (float32 out, [B, T, H]); KDA's and GDN2's are not applied
+  outside: the op takes the raw gate with ``use_gate_in_kernel`` (`ops.chunk_kda`), FLA's forward fuses it into
+  its chunk cumsum and the ReWY backward into its own (`kernels/triton/gate.py`). Outside the op it cost one more
+  fp32 [B, T, H, K] tensor per layer and 0.06 ms of a 4-layer KDA model step (session 19);
 - ``state_v_first``: initial and final state in FLA's [V, K] layout, transposed on the way in and out;
 - ``safe_gate`` (KDA, GDN2): FLA's hint that its own kernels may use a faster path for gates bounded below;
   it does not change the function computed, so it needs nothing (invalid combinations still go to FLA).
@@ -131,12 +133,12 @@ class Activations:
     beta_scale: float = 1.0  # 2.0 with allow_neg_eigval
     state_v_first: bool = False  # initial/final state [B, H, V, K]
 
-    def describe(self) -> str:
+    def describe(self, gate_in_op: bool = False) -> str:
         """'' for a plain call, else what is applied outside the op (for the report)."""
         parts = []
         if self.l2norm:
             parts.append("q/k l2norm")
-        if self.gate:
+        if self.gate and not gate_in_op:
             parts.append("gate" + (f" (lower_bound {self.lower_bound:g})" if self.lower_bound is not None else ""))
         if self.beta_sigmoid:
             parts.append("beta sigmoid" + (" x2" if self.beta_scale != 1.0 else ""))
@@ -218,7 +220,6 @@ def _beta_sigmoid(beta, scale: float, fused: bool):
 
 def _gate(op: str, g, acts: Activations, fused: bool):
     import torch
-    import torch.nn.functional as F
 
     A_log, dt_bias, lower_bound = acts.A_log, acts.dt_bias, acts.lower_bound
     if fused:
@@ -229,31 +230,28 @@ def _gate(op: str, g, acts: Activations, fused: bool):
         from fla.ops.kda.gate import fused_kda_gate
 
         return fused_kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, output_dtype=torch.float32)
-    ct = _compute_dtype(g)
-    x = g.to(ct)
-    if op == "gdn":  # g [B, T, H]; A_log, dt_bias [H]
-        if dt_bias is not None:
-            x = x + dt_bias.to(ct).reshape(-1)
-        return -A_log.to(ct).reshape(-1).exp() * F.softplus(x)
-    H, K = g.shape[-2:]  # g [B, T, H, K]; A_log [H]; dt_bias [H*K]
-    if dt_bias is not None:
-        x = x + dt_bias.to(ct).reshape(H, K)
-    if lower_bound is None:
-        return -A_log.to(ct).reshape(H, 1).exp() * F.softplus(x)
-    if A_log is not None:
-        x = A_log.to(ct).reshape(H, 1).exp() * x
-    return lower_bound * x.sigmoid()
+    from rewy_tune.kernels.reference.gate import activated_gate
+
+    return activated_gate(g, A_log, dt_bias, lower_bound)
 
 
-def apply_activations(op: str, arguments: dict, acts: Activations, *, fused: bool | None = None) -> dict:
+def gate_in_op(op: str, acts: Activations) -> bool:
+    """Whether the routed op applies this call's gate activation itself (KDA, GDN2: `ops.chunk_kda`'s
+    use_gate_in_kernel), so that `apply_activations(..., gate_in_op=True)` leaves g raw."""
+    return acts.gate and op in ("kda", "gdn2")
+
+
+def apply_activations(op: str, arguments: dict, acts: Activations, *, fused: bool | None = None,
+                      gate_in_op: bool = False) -> dict:
     """The plain-call tensors {q, k, v, g?, beta | b, w, initial_state} of an FLA call: `acts` applied with
-    FLA's autograd kernels (`fused`, default on CUDA) or the same formulas in torch, initial state in [K, V]."""
+    FLA's autograd kernels (`fused`, default on CUDA) or the same formulas in torch, initial state in [K, V].
+    gate_in_op: g is left raw, for an op that takes the gate activation itself (see `gate_in_op`)."""
     out = {name: arguments.get(name) for name in _DATA_ARGS[op]}
     if fused is None:
         fused = out["q"].is_cuda
     if acts.l2norm:
         out["q"], out["k"] = _l2norm(out["q"], fused), _l2norm(out["k"], fused)
-    if acts.gate:
+    if acts.gate and not gate_in_op:
         out["g"] = _gate(op, out["g"], acts, fused)
     if acts.beta_sigmoid:
         out["beta"] = _beta_sigmoid(out["beta"], acts.beta_scale, fused)
@@ -343,7 +341,8 @@ def _route(op: str, arguments: dict, acts: Activations | None = None):
     from rewy_tune.problem import Problem
 
     acts = Activations() if acts is None else acts
-    a = apply_activations(op, arguments, acts)
+    fused_gate = gate_in_op(op, acts)
+    a = apply_activations(op, arguments, acts, gate_in_op=fused_gate)
     q, v, h0 = a["q"], a["v"], a["initial_state"]
     policy = _state["policy"]
     problem = Problem.from_tensors(op, q, v, policy, initial_state=h0)
@@ -354,12 +353,15 @@ def _route(op: str, arguments: dict, acts: Activations | None = None):
         if speedup is not None and speedup < 1.0:
             raise _PreferFla(f"measured slower than FLA ({speedup:.2f}x, {reason.split(':')[0]} winner for "
                              f"{problem.bucket().label}; REWY_ALLOW_SLOWER=1 routes it)")
-    applied = acts.describe()
+    applied = acts.describe(gate_in_op=fused_gate)
     _report.record_routed(op, problem.bucket().label, schedule,
-                          reason + (f"; applied outside the op: {applied}" if applied else ""))
+                          reason + (f"; applied outside the op: {applied}" if applied else "")
+                          + ("; gate applied in the op" if fused_gate else ""))
     common = dict(scale=arguments.get("scale"), initial_state=h0,
                   output_final_state=bool(arguments.get("output_final_state", False)),
                   policy=policy, backend="triton", schedule=schedule)
+    if fused_gate:
+        common.update(use_gate_in_kernel=True, A_log=acts.A_log, dt_bias=acts.dt_bias, lower_bound=acts.lower_bound)
     if op == "deltanet":
         o, ht = ops.chunk_deltanet(a["q"], a["k"], a["v"], a["beta"], **common)
     elif op == "gdn":

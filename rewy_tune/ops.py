@@ -71,14 +71,34 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype: torch.dt
     return "triton"
 
 
+def _gate_activation(use_gate_in_kernel, A_log, dt_bias, lower_bound, g):
+    """KDA/GDN2's in-kernel gate (FLA's ``use_gate_in_kernel``) as a checked GateActivation, or None."""
+    if not use_gate_in_kernel:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if value is not None:
+                raise ValueError(f"{name} is read only with use_gate_in_kernel=True (g is then the raw gate input)")
+        return None
+    from rewy_tune.kernels.triton.gate import GateActivation
+
+    gate = GateActivation(A_log, dt_bias, None if lower_bound is None else float(lower_bound))
+    gate.check(g)
+    return gate
+
+
 def _apply(op, q, k, v, g, erase, write, *, scale, initial_state, output_final_state, policy, backend,
-           schedule=None, names=("g", "beta", "beta")):
+           schedule=None, names=("g", "beta", "beta"), gate_args=(False, None, None, None)):
     validate_inputs(op, q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
                     policy=policy, backend=backend, names=names)
+    gate = _gate_activation(*gate_args, g)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     chosen = resolve_backend(op, backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
     if chosen == "torch":
         from rewy_tune.kernels.reference.function import RewyTorchFunction
+
+        if gate is not None:  # the reference takes the activated gate; autograd carries A_log, dt_bias
+            from rewy_tune.kernels.reference.gate import activated_gate
+
+            g = activated_gate(g, gate.A_log, gate.dt_bias, gate.lower_bound)
 
         return RewyTorchFunction.apply(q, k, v, g, erase, write, initial_state, scale, 64, policy,
                                        output_final_state)
@@ -92,7 +112,7 @@ def _apply(op, q, k, v, g, erase, write, *, scale, initial_state, output_final_s
         if problem is not None:
             schedule = lookup(problem, current_device(q.device.index))[0]
     return run_triton_op(op, q, k, v, g, erase, write, initial_state=initial_state, scale=scale,
-                         policy=policy, output_final_state=output_final_state, schedule=schedule)
+                         policy=policy, output_final_state=output_final_state, schedule=schedule, gate=gate)
 
 
 def chunk_deltanet(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, *,
@@ -117,21 +137,26 @@ def chunk_gdn(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
-              policy="R", backend="auto", schedule=None):
+              policy="R", backend="auto", schedule=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              lower_bound=None):
     """Kimi Delta Attention: GDN with a per-key-channel gate S' = Diag(e^{g_t}) S_{t-1}.
 
-    g: [B, T, H, K] per-token natural-log decay; beta: [B, T, H].
+    g: [B, T, H, K] per-token natural-log decay; beta: [B, T, H]. With ``use_gate_in_kernel`` (as FLA's
+    chunk_kda) g is the raw gate input and the op applies −exp(A_log)·softplus(g + dt_bias), or with
+    ``lower_bound`` L: L·sigmoid(exp(A_log)·(g + dt_bias)); A_log [H], dt_bias [H·K] (optional) get gradients.
     """
     return _apply("kda", q, k, v, g, beta, beta, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, policy=policy, backend=backend, schedule=schedule)
+                  output_final_state=output_final_state, policy=policy, backend=backend, schedule=schedule,
+                  gate_args=(use_gate_in_kernel, A_log, dt_bias, lower_bound))
 
 
 def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False, *,
-               policy="R", backend="auto", schedule=None):
+               policy="R", backend="auto", schedule=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+               lower_bound=None):
     """Gated DeltaNet-2: S' = Diag(e^{g_t}) S_{t-1}; u_t = w_t⊙v_t − S'ᵀ(b_t⊙k_t); S_t = S' + k_t u_tᵀ.
 
-    g, b: [B, T, H, K]; w: [B, T, H, V].
+    g, b: [B, T, H, K]; w: [B, T, H, V]. ``use_gate_in_kernel``, A_log, dt_bias, lower_bound: as `chunk_kda`.
     """
     return _apply("gdn2", q, k, v, g, b, w, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, policy=policy, backend=backend, schedule=schedule,
-                  names=("g", "b", "w"))
+                  names=("g", "b", "w"), gate_args=(use_gate_in_kernel, A_log, dt_bias, lower_bound))

@@ -1,6 +1,6 @@
 """`enable()` on the calls FLA's layers make (issue 6): in-kernel q/k l2norm, gate activation (A_log, dt_bias,
-lower_bound), beta sigmoid (allow_neg_eigval) and the V-first state layout are applied outside the op and the
-call is routed through ReWY. Output, final state and every input gradient (A_log, dt_bias and the initial state
+lower_bound), beta sigmoid (allow_neg_eigval) and the V-first state layout are applied outside the op (KDA's and
+GDN2's gate inside it: `ops.chunk_kda(use_gate_in_kernel=True)`) and the call is routed through ReWY. Output, final state and every input gradient (A_log, dt_bias and the initial state
 included) are checked against a float64 reference: FLA's own torch gate functions (`naive_kda_gate`,
 `naive_kda_lowerbound_gate`, `naive_gdn_gate`), the documented l2norm and sigmoid, and the token recurrence,
 with the thresholds of `rewy_tune.gates`.
@@ -211,8 +211,13 @@ def _check_routed(case: Case, got: dict, ref: dict, ctx: str) -> None:
     placeholder = {"A_log": torch.zeros(H)} if case.gate else {}
     acts, reason = fla_patch.activation_plan(case.op, dict(case.options, **placeholder), {})
     assert reason is None, reason
-    applied = acts.describe()
-    assert applied and rep["routed"][0]["reason"].endswith(f"applied outside the op: {applied}"), rep["routed"]
+    fused_gate = fla_patch.gate_in_op(case.op, acts)
+    assert fused_gate == (case.gate and case.op in ("kda", "gdn2"))
+    applied = acts.describe(gate_in_op=fused_gate)
+    assert "gate" not in applied if fused_gate else "gate" in applied or not case.gate
+    reason = rep["routed"][0]["reason"]
+    assert applied and f"applied outside the op: {applied}" in reason, rep["routed"]
+    assert reason.endswith("; gate applied in the op") == fused_gate, reason
     assert_close_to_reference(got, ref, ctx)
 
 

@@ -106,7 +106,7 @@ def _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedu
 
 
 def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                         S0=None, R=None, G=None, Aqk=None, one_beta=False, W=None):
+                         S0=None, R=None, G=None, Aqk=None, one_beta=False, W=None, gate=None):
     """ReWY backward of DeltaNet (g None) / GDN (g [B,T,H]) on Triton.
 
     q, k [B,T,H,K]; v, do [B,T,H,V] (one dtype: fp16/bf16/fp32); g, erase, write [B,T,H]; A = M^{-1}
@@ -117,25 +117,27 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
 
     Returns (dq, dk, dv, dg, d_erase, d_write, dh0): dq, dk, dv in q's dtype; dg in g's dtype (None without a
     gate); d_erase, d_write in erase's / write's dtypes (the erase and write paths of β, returned apart);
-    dh0 fp32 (None without an initial state). one_beta=True (scalar gates, erase and write one tensor, as
-    DeltaNet/GDN's β): d_erase is the whole β gradient and d_write None, so one [B,T,H] buffer is held instead of
-    two while the consumer runs (the backward's peak).
+    dh0 fp32 (None without an initial state). one_beta=True (erase and write one [B,T,H] tensor, as DeltaNet's,
+    GDN's and KDA's β): d_erase is the whole β gradient and d_write None, so one [B,T,H] buffer is held instead of
+    two while the consumer runs (the backward's peak), and autograd has no two gradients to add.
 
     Vector gates (g [B,T,H,K]: KDA, GDN2) go to ``vector_local.rewy_backward_triton_vector`` (same contract, plus
     Aqk: the forward's A_qk [B,T,H,chunk_size] in FLA's convention, read when schedule.dv_local_source is
-    "forward"). Scalar gates never read Aqk.
+    "forward"). Scalar gates never read Aqk. gate (vector gates only, a `gate.GateActivation`): g is the raw gate
+    input of KDA/GDN2's in-kernel gate, activated inside the chunk cumsum; dg is then the fp32 gradient of the
+    activated gate, which `gate.gate_backward` takes to the raw input and the gate's parameters.
     """
     if isinstance(g, torch.Tensor) and g.dim() == 4 and g.shape == q.shape:
         from .vector_local import rewy_backward_triton_vector
 
-        if one_beta:
-            raise ValueError("one_beta applies to scalar gates (DeltaNet/GDN); vector gates return d_erase and d_write")
         if isinstance(schedule, Schedule) and schedule.consumer == "joint_tma":
             raise ValueError("schedule.consumer 'joint_tma' is a DeltaNet/GDN consumer; KDA/GDN2 accept 'joint' or "
                              "'separate'")
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
-                                           Aqk=Aqk, W=W)
+                                           Aqk=Aqk, W=W, gate=gate, one_beta=one_beta)
+    if gate is not None:
+        raise ValueError("gate: the in-kernel gate activation is fused for vector gates (KDA, GDN2) only")
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
                       schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=run_dv_local,
@@ -254,7 +256,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
-               dv_local, consumer, W=None, query_side=None):
+               dv_local, consumer, W=None, query_side=None, gate=None):
     """The stage order shared by every operator; the gate type only picks the two local stages.
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None)` and
@@ -263,7 +265,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     `query_side(q, k, R, S0, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages) -> (dq, Ḡ_q)`
     (Schedule.dq_stage "separate": `query_side.py`): run on the main stream once S0 and R exist, beside the side
     stream's reverse scan; the consumer then takes dq=, gbq=. Inputs are checked by the caller, but for W (policy A's
-    forward W), checked here for both gate kinds.
+    forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
     """
     if W is not None:
         if S0 is None:
@@ -279,10 +281,12 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     C = sc.chunk_size
     state_dtype = _dtype_of("state_dtype", sc.state_dtype, q.dtype)
 
+    if gate is not None and G is not None:
+        raise ValueError("gate: pass the raw gate input g and no G (the cumsum applies the activation)")
     if g is None:
         G = None
     elif G is None:
-        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps)
+        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps, gate=gate)
     else:
         G = G.to(torch.float32).contiguous()
 
@@ -383,5 +387,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)
 
     # the consumers return dg itself: Ḡ's reverse in-chunk cumsum is formed in the program that holds the chunk
-    dg = dg.to(g.dtype) if g is not None else None
+    if gate is None:  # with the in-kernel gate, dg stays fp32 for the activation's backward
+        dg = dg.to(g.dtype) if g is not None else None
     return dq, dk, dv, dg, d_erase, d_write, dh0

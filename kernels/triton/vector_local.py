@@ -256,6 +256,7 @@ def rewy_bwd_kernel_consumer_vector(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
+    ONE_BETA: tl.constexpr,
 ):
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
@@ -496,10 +497,15 @@ def rewy_bwd_kernel_consumer_vector(
         tl.store(dg + p_rk, tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True), mask=m_rk)
 
     if not ERASE_VEC:
+        if ONE_BETA:  # KDA's one β: the write path joins the erase path (part 0 carries it)
+            if KSPLIT == 1:
+                b_der += b_dwr
+            elif i_ks == 0:
+                b_der += b_dwr
         if KSPLIT > 1:  # this program's part of the sum over feature tiles (fp32 parts)
             derase += i_ks * n_tok
         tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
-    if not WRITE_VEC:
+    if not WRITE_VEC and not ONE_BETA:
         if KSPLIT == 1:
             tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
         else:
@@ -531,7 +537,7 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                     intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1, chunk_ranges=None,
-                    dv_out=None):
+                    dv_out=None, one_beta: bool = False):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
     programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
     chunk_ranges, dv_out: as ``consumer_tma.consumer_tma``'s (Schedule.consumer_ranges: one launch per chunk range,
@@ -540,7 +546,8 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     Returns (dq, dk, dv, dg, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
     [B,T,H,K] (the gate's gradient: the reverse in-chunk cumsum of Ḡ, the cumulative gate's adjoint); paths int32
-    [B·H, NT, cdiv(K, BK)]: 1 centred, 2 sub-chunk.
+    [B·H, NT, cdiv(K, BK)]: 1 centred, 2 sub-chunk. one_beta (KDA, erase and write one β tensor): d_erase is
+    the whole dβ and d_write None (no second [B,T,H] gradient for autograd to add).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -567,8 +574,11 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     # H_< | D rows, one scratch per program of a chunk
     hd = torch.empty(k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
     dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    if one_beta and not (erase.dim() == 3 and write.dim() == 3 and erase.dtype == write.dtype):
+        raise ValueError("one_beta: erase and write must be one [B,T,H] β (KDA), got "
+                         f"{tuple(erase.shape)} {erase.dtype} and {tuple(write.shape)} {write.dtype}")
     derase = torch.empty_like(erase)
-    dwrite = torch.empty_like(write)
+    dwrite = None if one_beta else torch.empty_like(write)
     scalar_erase_parts = k_split > 1 and erase.dim() == 3
     derp = torch.empty(k_split, B, T, H, dtype=torch.float32, device=q.device) if scalar_erase_parts else derase
     paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
@@ -580,7 +590,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
-            IPREC=_intra_precision(intra_precision), KSPLIT=k_split,
+            IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta,
             num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
@@ -592,7 +602,8 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
 # The whole vector-gate backward
 # --------------------------------------------------------------------------------------------------
 def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                                S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None, W=None):
+                                S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None, W=None,
+                                gate=None, one_beta=False):
     """ReWY backward of KDA (erase = write = β [B,T,H]) / GDN2 (erase b [B,T,H,K], write w [B,T,H,V]) on Triton.
 
     Same contract as ``pipeline.rewy_backward_triton``: q, k [B,T,H,K]; v, do [B,T,H,V] (fp16/bf16/fp32);
@@ -600,7 +611,9 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
     S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A; G the chunk cumsum of g (None: computed here); Aqk the
     forward's A_qk [B,T,H,chunk_size] in q's dtype (FLA's Aqk convention), required when
     ``schedule.dv_local_source == "forward"`` and not read otherwise; W the forward's W for policy A (None:
-    recomputed).
+    recomputed). gate: KDA/GDN2's in-kernel gate (`gate.GateActivation`): g is its raw input and dg comes back
+    fp32, the gradient of the activated gate (see ``pipeline.rewy_backward_triton``). one_beta (KDA's one β as
+    erase and write): d_erase is dβ and d_write None.
     ``intra_paths``: optional dict; receives ``"flags"``, the consumer's int32 per-tile path flags (1 centred,
     2 sub-chunk), with no host synchronisation.
 
@@ -647,10 +660,10 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
 
     def consumer(*args, **kwargs):
         *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,
-                                        k_split=schedule.consumer_k_split, **kwargs)
+                                        k_split=schedule.consumer_k_split, one_beta=one_beta, **kwargs)
         if intra_paths is not None:
             intra_paths["flags"] = flags
         return grads
 
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
-                      schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=dv_local, consumer=consumer)
+                      schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate)

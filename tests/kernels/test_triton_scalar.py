@@ -134,8 +134,9 @@ def test_one_beta_bad_input_is_refused():
     fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=1.0, initial_state=None)
     kw = dict(scale=1.0, initial_state=None, schedule=BASE, one_beta=True)
     g_vec = x["g"][..., None].expand_as(x["q"]).contiguous()
-    with pytest.raises(ValueError, match="one_beta applies to scalar gates"):
-        rewy_backward_triton(x["q"], x["k"], x["v"], g_vec, x["beta"], x["beta"], fwd.A, x["do"], None, **kw)
+    b_vec = x["beta"][..., None].expand_as(x["q"]).contiguous()  # GDN2's b: a vector erase path
+    with pytest.raises(ValueError, match="one_beta: erase and write must be one"):
+        rewy_backward_triton(x["q"], x["k"], x["v"], g_vec, b_vec, b_vec, fwd.A, x["do"], None, **kw)
     with pytest.raises(ValueError, match="one_beta: erase and write must share a dtype"):
         rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"].half(), fwd.A, x["do"], None,
                              **kw)

@@ -204,6 +204,41 @@ def test_consumer_k_split(op, k_split, consumer):
     assert_gates(run_triton(x, base.replace(consumer_k_split=k_split), "A"), oracle(x), ctx=f"{op} k{k_split} A")
 
 
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
+@pytest.mark.parametrize("k_split", [1, 2])
+def test_kda_one_beta(k_split, consumer):
+    # KDA's one β as erase and write: with one_beta the consumer stores d_erase + d_write in one buffer (part 0 of a
+    # k-split adds the write path) and d_write is None; the sum as the two paths apart, and within the gate of the
+    # oracle's (tail T = 100, policies R and A, NaN-poisoned outputs)
+    x = make_inputs("kda", 1, 100, 2, 48, 32, seed=29)
+    base = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16}, forward_scan={"block_k": 64},
+                        reverse_scan={"block_k": 64}, consumer_k_split=k_split)
+    apart = run_triton(x, base)
+    ref = oracle(x)
+    for policy in ("R", "A"):
+        scale = x["q"].shape[-1] ** -0.5
+        fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], scale=scale,
+                            initial_state=x["h0"], chunk_size=base.chunk_size, save_states=policy == "A")
+        kw = dict(S0=fwd.S0, R=fwd.R, G=fwd.G) if policy == "A" else {}
+        with poison_allocations():
+            got = dict(zip(NAMES, rewy_backward_triton_vector(
+                x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"], x["dht"], scale=scale,
+                initial_state=x["h0"], schedule=base, one_beta=True, **kw)))
+        assert got["d_write"] is None
+        assert rel_rms(got["d_erase"], apart["d_erase"] + apart["d_write"]) <= 1e-6, policy
+        assert rel_rms(got["d_erase"], ref["d_erase"] + ref["d_write"]) <= GATE, policy
+        for n in ("dq", "dk", "dv", "dg"):
+            assert rel_rms(got[n], apart[n]) <= 1e-6, (policy, n)
+
+
+def test_one_beta_needs_one_scalar_beta():
+    x = make_inputs("gdn2", 1, 64, 1, 32, 32, seed=3)
+    fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], scale=1.0, initial_state=None)
+    with pytest.raises(ValueError, match="one_beta: erase and write must be one"):
+        rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"], None,
+                                    scale=1.0, initial_state=None, schedule=BASE, one_beta=True)
+
+
 @pytest.mark.parametrize("source", ["recompute", "forward"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_consumer_ranges(op, source, monkeypatch):

@@ -1,0 +1,163 @@
+"""KDA/GDN2's in-kernel gate activation fused into the ReWY backward (`kernels/triton/gate.py`, the chunk cumsum's
+``gate``, ``ops.chunk_kda(use_gate_in_kernel=True)``) against float64: the formulas of `kernels/reference/gate.py`
+differentiated by autograd, and the torch backend's op. CPU runs use the Triton interpreter; the `gpu` test repeats
+the op check at a benchmark shape in bf16 on CUDA (FLA's fused forward, our backward). Allocations are NaN-poisoned.
+"""
+
+import os
+
+if not os.environ.get("REWY_TEST_NO_INTERPRET"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+import rewy_tune
+from rewy_tune.gates import GATE_RTOL, ORDINARY_RTOL, poison_allocations
+from rewy_tune.kernels.reference.gate import activated_gate
+from rewy_tune.kernels.triton.cumsum import chunk_cumsum
+from rewy_tune.kernels.triton.gate import GateActivation, gate_backward
+
+from kernel_gates import rel_rms
+
+# (lower_bound, with A_log, with dt_bias): the softplus form needs A_log; the lower-bound form takes either
+FORMS = [(None, True, True), (None, True, False), (-5.0, True, True), (-1.0, False, True), (-5.0, False, False)]
+FORM_IDS = ["softplus-bias", "softplus", "lb5-A-bias", "lb1-bias", "lb5-bare"]
+
+
+def _params(H, K, form, gen, dtype=torch.float32):
+    lower_bound, with_a, with_bias = form
+    A_log = (torch.randn(H, generator=gen) * 0.5).to(dtype) if with_a else None
+    dt_bias = torch.randn(H * K, generator=gen).to(dtype) if with_bias else None
+    return A_log, dt_bias, lower_bound
+
+
+def _chunk_cumsum64(y, C):
+    return torch.cat([y[:, i:i + C].cumsum(1) for i in range(0, y.shape[1], C)], 1)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_cumsum_applies_the_gate(form):
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, C = 2, 100, 3, 40, 64  # T a tail, K not a power of two
+    x = (torch.randn(B, T, H, K, generator=gen) * 3).to(torch.bfloat16)
+    A_log, dt_bias, lb = _params(H, K, form, gen)
+    with poison_allocations():
+        G = chunk_cumsum(x, chunk_size=C, BK=32, num_warps=2, gate=GateActivation(A_log, dt_bias, lb))
+    ref = _chunk_cumsum64(activated_gate(x.double(), None if A_log is None else A_log.double(),
+                                         None if dt_bias is None else dt_bias.double(), lb), C)
+    assert G.dtype == torch.float32 and not G.isnan().any()
+    assert rel_rms(G, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_gate_backward_matches_autograd(form):
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, K = 2, 70, 3, 24
+    x = (torch.randn(B, T, H, K, generator=gen) * 3).to(torch.bfloat16)
+    A_log, dt_bias, lb = _params(H, K, form, gen)
+    dy = torch.randn(B, T, H, K, generator=gen)
+    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, A_log, dt_bias)]
+    activated_gate(leaves[0], leaves[1], leaves[2], lb).backward(dy.double())
+    with poison_allocations():
+        dx, dA, db = gate_backward(x, GateActivation(A_log, dt_bias, lb), dy)
+    assert dx.dtype == x.dtype and not dx.isnan().any()
+    assert rel_rms(dx, leaves[0].grad) <= ORDINARY_RTOL  # bf16 rounding of dx only
+    for got, leaf, name in ((dA, leaves[1], "A_log"), (db, leaves[2], "dt_bias")):
+        assert (got is None) == (leaf is None), name
+        if got is not None:
+            assert got.shape == leaf.shape and rel_rms(got, leaf.grad) <= 1e-5, name
+
+
+def _op_inputs(op, B, T, H, K, V, dtype, device, gen):
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(device=device, dtype=dtype)
+
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    q, k = (torch.nn.functional.normalize(t.float(), dim=-1).to(dtype) for t in (q, k))
+    v = rnd(B, T, H, V)
+    g = rnd(B, T, H, K, s=2.0)  # raw gate input
+    if op == "kda":
+        betas = (torch.rand(B, T, H, generator=gen).to(device=device, dtype=dtype),)
+    else:
+        betas = (torch.rand(B, T, H, K, generator=gen).to(device=device, dtype=dtype),
+                 torch.rand(B, T, H, V, generator=gen).to(device=device, dtype=dtype))
+    return q, k, v, g, betas
+
+
+def _run(op, tensors, gate, backend, h0, dtype=None):
+    """(o, gradients of q, k, v, g, the betas, A_log and dt_bias where given, h0) of the gated op."""
+    q, k, v, g, betas = tensors
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    leaves = [cast(t).detach().requires_grad_() for t in (q, k, v, g, *betas)]
+    params = [cast(t).detach().requires_grad_() if t is not None else None for t in gate[:2]]
+    lb = gate[2]
+    h = cast(h0).detach().requires_grad_() if h0 is not None else None
+    fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
+    o, ht = fn(*leaves, initial_state=h, output_final_state=True, backend=backend, use_gate_in_kernel=True,
+               A_log=params[0], dt_bias=params[1], lower_bound=lb)
+    gen = torch.Generator().manual_seed(11)
+    do = torch.randn(o.shape, generator=gen).to(o)
+    dht = torch.randn(ht.shape, generator=gen).to(ht)
+    wrt = leaves + [p for p in params if p is not None] + ([h] if h is not None else [])
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
+    return o, grads
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+@pytest.mark.parametrize("form", [FORMS[0], FORMS[2]], ids=[FORM_IDS[0], FORM_IDS[2]])
+def test_op_with_the_gate_in_kernel_matches_float64(op, form):
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V = 1, 80, 2, 32, 32  # two chunks, the second a tail
+    tensors = _op_inputs(op, B, T, H, K, V, torch.float32, "cpu", gen)
+    gate = _params(H, K, form, gen)
+    h0 = torch.randn(B, H, K, V, generator=gen) * 0.1
+    o_ref, ref = _run(op, tensors, gate, "torch", h0, dtype=torch.float64)
+    with poison_allocations():
+        o, got = _run(op, tensors, gate, "triton", h0)
+    assert rel_rms(o, o_ref) <= ORDINARY_RTOL
+    names = ["dq", "dk", "dv", "dg", *(("dbeta",) if op == "kda" else ("db", "dw")), "dA_log", "ddt_bias", "dh0"]
+    for name, a, r in zip(names, got, ref, strict=True):
+        assert not a.isnan().any(), name
+        rtol = GATE_RTOL if name in ("dg", "dbeta", "db", "dw", "dA_log", "ddt_bias") else ORDINARY_RTOL
+        assert rel_rms(a, r) <= rtol, (name, rel_rms(a, r))
+
+
+def test_bad_gate_arguments_are_named():
+    q = k = torch.zeros(1, 64, 2, 16)
+    v = torch.zeros(1, 64, 2, 16)
+    g = torch.zeros(1, 64, 2, 16)
+    beta = torch.zeros(1, 64, 2)
+    with pytest.raises(ValueError, match="A_log"):  # the softplus form without A_log
+        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="dt_bias must have 32 elements"):
+        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, A_log=torch.zeros(2),
+                            dt_bias=torch.zeros(2))
+    with pytest.raises(ValueError, match="A_log must have 2 elements"):
+        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, A_log=torch.zeros(3))
+    with pytest.raises(ValueError, match="use_gate_in_kernel"):  # A_log without the flag would be ignored
+        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", A_log=torch.zeros(2))
+    with pytest.raises(ValueError, match="lower_bound must be a finite"):
+        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, lower_bound=float("nan"))
+    with pytest.raises(ValueError, match="g: the in-kernel gate"):
+        gate_backward(torch.zeros(1, 64, 2), GateActivation(torch.zeros(2), None), torch.zeros(1, 64, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+@pytest.mark.parametrize("form", [FORMS[0], FORMS[2]], ids=[FORM_IDS[0], FORM_IDS[2]])
+def test_gpu_op_with_the_gate_in_kernel(op, form):
+    gen = torch.Generator().manual_seed(6)
+    B, T, H, K, V = 1, 512, 4, 128, 128
+    tensors = _op_inputs(op, B, T, H, K, V, torch.bfloat16, "cuda", gen)
+    gate = [t.cuda() if isinstance(t, torch.Tensor) else t for t in _params(H, K, form, gen)]
+    h0 = (torch.randn(B, H, K, V, generator=gen) * 0.1).cuda()
+    o_ref, ref = _run(op, tensors, gate, "torch", h0, dtype=torch.float64)
+    with poison_allocations():
+        o, got = _run(op, tensors, gate, "triton", h0)
+    assert rel_rms(o, o_ref) <= ORDINARY_RTOL
+    names = ["dq", "dk", "dv", "dg", *(("dbeta",) if op == "kda" else ("db", "dw")), "dA_log", "ddt_bias", "dh0"]
+    for name, a, r in zip(names, got, ref, strict=True):
+        rtol = GATE_RTOL if name in ("dg", "dbeta", "db", "dw", "dA_log", "ddt_bias") else ORDINARY_RTOL
+        assert rel_rms(a, r) <= rtol, (name, rel_rms(a, r))
