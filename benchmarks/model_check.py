@@ -129,6 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="graph (default): each mode's forward and backward captured as CUDA graphs and replayed, "
                         "so host launch jitter stays out of the figures (falls back to eager, saying why, when a "
                         "model cannot be captured); eager: torch.cuda.Event around eager steps")
+    p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                   help="GPU: after timing, profile N eager steps of each timed mode (torch.profiler) and print "
+                        "every kernel's device time per step, forward and backward apart, and where the modes "
+                        "differ (default 0: off)")
     p.add_argument("--keep-hopper-guard", action="store_true",
                    help="do not bypass FLA's Hopper guard (FLA issue 640): FLA's GDN backward then raises")
     p.add_argument("--json", metavar="PATH", help="write every result (samples included) to PATH")
@@ -456,6 +460,15 @@ def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
             traceback.print_exc(limit=-6, file=sys.stdout)
         finally:
             harness.set_mode(None)
+        if args.kernel_profile and harness.cuda:
+            try:
+                res["kernel_profile"] = kernel_profile(model, ids, harness, [m for m in TIMED if m in res["modes"]],
+                                                       args)
+            except Exception as exc:  # noqa: BLE001
+                res["errors"]["kernel profile"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc(limit=-6, file=sys.stdout)
+            finally:
+                harness.set_mode(None)
         if res["timing"] and harness.cuda:
             try:
                 res["op_share"] = operator_share(kind, args)
@@ -465,6 +478,61 @@ def run_model(kind: str, args, harness: Harness, device, dtype) -> dict:
     res["checks"] = verdict_checks(res, args)
     res["passed"] = all(c["passed"] for c in res["checks"])
     return res
+
+
+def _kernel_times(prof, steps: int) -> dict[str, float]:
+    """{kernel name: device µs per step} of one torch.profiler session over `steps` steps."""
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) is not None and "CUDA" not in str(evt.device_type):
+            continue
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if us > 0:
+            out[evt.key] = out.get(evt.key, 0.0) + us / steps
+    return out
+
+
+def kernel_profile(model, ids, harness: Harness, modes: list[str], args) -> dict:
+    """Per mode, every kernel's device time per step (µs), forward (+ loss) and backward in their own profiler
+    sessions, over --kernel-profile eager steps after two warm-up steps; printed as the kernels whose per-step time
+    differs between the modes by 1 µs or more, so a step that saves less than its operator shows where."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = args.kernel_profile
+    per_mode: dict[str, dict] = {}
+    for mode in modes:
+        harness.set_mode(mode)
+        for _ in range(2):
+            harness.step(model, ids)
+        fwd: dict[str, float] = {}
+        bwd: dict[str, float] = {}
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(harness.device)
+            with profile(activities=[ProfilerActivity.CUDA]) as pf:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                torch.cuda.synchronize(harness.device)
+            with profile(activities=[ProfilerActivity.CUDA]) as pb:
+                loss.backward()
+                torch.cuda.synchronize(harness.device)
+            for acc, prof in ((fwd, pf), (bwd, pb)):
+                for name, us in _kernel_times(prof, steps).items():
+                    acc[name] = acc.get(name, 0.0) + us
+        harness.set_mode(None)
+        per_mode[mode] = {"forward": fwd, "backward": bwd}
+    if len(modes) == 2:
+        a, b = modes
+        for phase in ("forward", "backward"):
+            ta, tb = per_mode[a][phase], per_mode[b][phase]
+            print(f"[kernel profile] {phase}: {a} {sum(ta.values()):.1f} us, {b} {sum(tb.values()):.1f} us per step "
+                  f"({steps} eager steps); kernels that differ by >= 1 us ({a} / {b} us):", flush=True)
+            names = sorted(set(ta) | set(tb), key=lambda n: -abs(ta.get(n, 0.0) - tb.get(n, 0.0)))
+            for n in names:
+                if abs(ta.get(n, 0.0) - tb.get(n, 0.0)) >= 1.0:
+                    print(f"    {ta.get(n, 0.0):9.1f} / {tb.get(n, 0.0):9.1f}  {n[:110]}", flush=True)
+    return per_mode
 
 
 def operator_share(kind: str, args) -> dict:
