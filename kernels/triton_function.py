@@ -6,8 +6,8 @@ Forward:
   v_new (= R, the corrections u − w h before gating), which FLA computes in its forward anyway but, for
   DeltaNet/GDN, drops (FLA has no save-all switch for these two operators); with ``schedule.w_source ==
   "forward"`` also w (W = A E, [B,T,H,K] in the input dtype), as FLA's own save-all keeps it, so the backward runs
-  no recompute stage. Policy R runs FLA's state scan V-first (`state_v_first`, as FLA's own layers do: faster on
-  the H200), transposing an initial and a final state on the way.
+  no recompute stage. For DeltaNet and GDN policy R runs FLA's state scan V-first (`state_v_first`, as FLA's own
+  layers do: faster on the H200), transposing an initial and a final state on the way (KDA/GDN2: V_FIRST_VECTOR).
     DeltaNet: `prepare_wy_repr_fwd(k, v, beta)` -> (w, u, A); `chunk_gated_delta_rule_fwd_h(k, w, u, g=None,
               initial_state)` -> (h, v_new, final_state); `chunk_fwd_o(q, k, v_new, h, g=None, scale)` -> o.
     GDN:      `chunk_local_cumsum(g, scale=RCP_LN2)` -> G·log2(e) (fp32); `chunk_gated_delta_rule_fwd_intra(k, v,
@@ -59,6 +59,12 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None)
     return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype))
 
 
+# KDA/GDN2 under policy R: FLA's forward state scan V-first (as FLA's layers call it). Off until the GPU tests of the
+# KDA/GDN2 layer calls (tests/test_fla_patch_activations.py -m gpu) have run with it on: session 19's last device call
+# ran out before they did (DeltaNet and GDN passed).
+V_FIRST_VECTOR = False
+
+
 def _v_first(state):
     """[B, H, K, V] <-> [B, H, V, K] (a copy; None stays None)."""
     return state.transpose(-1, -2).contiguous() if state is not None else None
@@ -71,10 +77,10 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
     disable_recompute path, which keeps h, v_new and w (policy R: None for the three). Aqk (out[3]) is FLA's
     A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention. gate (a GateActivation): g is the
     raw gate input, activated by FLA's fused gate-and-cumsum kernel (its use_gate_in_kernel).
-    Policy R runs FLA's state scan V-first, as FLA's layers do (its h is dropped, so the layout is free): in the
-    KDA model step (session 19) K-first took 369 µs for the four layers' scans where FLA's own V-first took 345.
-    Policy A keeps h = S0, which the backward reads K-first."""
-    v_first = policy == "R"
+    The state scan runs K-first. FLA's layers run it V-first, which in the KDA model step (session 19) took 345 µs
+    for the four layers' scans where ours took 369; `_fla_forward` does so under R since session 19, GPU-checked
+    for DeltaNet and GDN only. Here it waits for the GPU run of the KDA/GDN2 layer calls (V_FIRST_VECTOR)."""
+    v_first = V_FIRST_VECTOR and policy == "R"
     common = dict(scale=scale, initial_state=_v_first(initial_state) if v_first else initial_state,
                   output_final_state=output_final_state, chunk_size=chunk_size, disable_recompute=policy == "A",
                   state_v_first=v_first)
@@ -91,7 +97,7 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
     o, final_state, Aqk, Akk, w, v_new, h = out[0], out[1], out[3], out[4], out[5], out[9], out[10]
     if policy == "A":
         return o, final_state, Akk, h, v_new, Aqk, w
-    return o, _v_first(final_state), Akk, None, None, Aqk, None
+    return o, _v_first(final_state) if v_first else final_state, Akk, None, None, Aqk, None
 
 
 def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, output_final_state):
