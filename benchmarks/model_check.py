@@ -129,6 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="graph (default): each mode's forward and backward captured as CUDA graphs and replayed, "
                         "so host launch jitter stays out of the figures (falls back to eager, saying why, when a "
                         "model cannot be captured); eager: torch.cuda.Event around eager steps")
+    p.add_argument("--set", action="append", default=None, metavar="FIELD=VALUE",
+                   help="change the schedule the routed calls and the operator-alone timing use (as rewy-tune bench "
+                        "--set: one FIELD=VALUE each, a stage's member as STAGE.MEMBER), e.g. side_stream=none")
     p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                    help="GPU: after timing, profile N eager steps of each timed mode (torch.profiler) and print "
                         "every kernel's device time per step, forward and backward apart, and where the modes "
@@ -167,7 +170,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     v_dim = args.head_dim * args.expand_v
     if v_dim != int(v_dim):
         p.error(f"--head-dim * --expand-v must be an integer, got {v_dim}")
+    try:
+        args.overrides = schedule_overrides(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def schedule_overrides(args) -> dict:
+    """--set as schedule parameters, checked on each model's operator default (a ValueError naming --set)."""
+    from rewy_tune.cli import bench
+    from rewy_tune.search_spaces import default_schedule
+
+    overrides = bench.parse_overrides(args.set)
+    for kind in args.models if overrides else ():
+        bench.apply_overrides(default_schedule((9, 0), K=args.head_dim, V=int(args.head_dim * args.expand_v), op=kind),
+                              overrides)
+    return overrides
+
+
+@contextlib.contextmanager
+def overridden_lookup(overrides: dict):
+    """While active, `rewy_tune.dispatch.lookup` (which `enable()`'s routing and `operator_share` call) returns its
+    schedule with --set's changes, and says so in the reason."""
+    from rewy_tune import dispatch
+    from rewy_tune.cli import bench
+
+    if not overrides:
+        yield
+        return
+    original = dispatch.lookup
+    note = "; --set " + " ".join(f"{k}={v}" for k, v in overrides.items())
+
+    def lookup(problem, device=None, **kw):
+        schedule, reason = original(problem, device, **kw)
+        return bench.apply_overrides(schedule, overrides), reason + note
+
+    dispatch.lookup = lookup
+    try:
+        yield
+    finally:
+        dispatch.lookup = original
 
 
 # -- the op substitution: the float64 oracle and the CPU stand-in for FLA's op ------------------------------
@@ -545,7 +588,9 @@ def operator_share(kind: str, args) -> dict:
 
     shape = (args.batch, args.seq_len, args.heads)
     V = int(args.head_dim * args.expand_v)
-    schedule, _ = rewy_tune.lookup(Problem(kind, args.policy, args.dtype, *shape, args.head_dim, V))
+    from rewy_tune import dispatch
+
+    schedule, _ = dispatch.lookup(Problem(kind, args.policy, args.dtype, *shape, args.head_dim, V))
     if args.precompile:  # FLA's bare op autotunes other kernels than the layer's call: compile them in parallel too
         warmup.warm([warmup.WarmTask(kind, "R", schedule.to_dict(), [shape], args.head_dim, V),
                      warmup.WarmTask(kind, args.policy, schedule.to_dict(), [shape], args.head_dim, V, with_fla=False)],
@@ -987,6 +1032,7 @@ def main(argv=None) -> int:
     print("rewy-tune model check  " + "  ".join(f"{k} {v}" for k, v in versions.items()))
     with contextlib.ExitStack() as stack:
         routed = stack.enter_context(routing(args.force_triton, interpreter=args.dry_run))
+        stack.enter_context(overridden_lookup(args.overrides))
         from rewy_tune.kernels.triton_function import GPU_VERIFIED_OPS
 
         if args.force_triton:

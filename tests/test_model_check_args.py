@@ -99,3 +99,33 @@ def test_operator_share_times_fla_stock_against_ours_at_the_model_shape(mc, monk
     assert seen["shape"] == (1, 256, 8) and seen["rounds"] >= 30 and seen["warm"] == [("R", True), ("A", False)]
     assert out["expected_step_saving_ms"] == pytest.approx(3 * (0.60 - 0.50))
     assert out["fla_backward_ms"] == 0.55 and out["ours_backward_ms"] == 0.40
+
+
+@pytest.mark.parametrize("argv,message", [(["--set", "side_stream=sideways"], "--set"),
+                                          (["--set", "nonsense"], "--set"),
+                                          (["--set", "consumer_cfg.colour=3"], "--set")])
+def test_bad_schedule_overrides_exit_2(mc, argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        mc.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_schedule_overrides_reach_the_routed_lookup_and_are_undone(mc):
+    # --set side_stream=none: while the check runs, dispatch.lookup (enable()'s routing, the operator-alone timing)
+    # returns the schedule with the change and says so; afterwards the original lookup is back.
+    from rewy_tune import dispatch
+    from rewy_tune.problem import Problem
+
+    args = mc.parse_args(["--models", "kda", "--set", "side_stream=none", "--set", "reverse_scan.num_warps=8"])
+    assert args.overrides == {"side_stream": "none", "reverse_scan.num_warps": 8}
+    problem = Problem("kda", "R", "bf16", 1, 4096, 8, 128, 128)
+    original = dispatch.lookup
+    base, _ = dispatch.lookup(problem)
+    assert base.side_stream != "none" or base.reverse_scan.num_warps != 8  # the change is visible
+    with mc.overridden_lookup(args.overrides):
+        changed, reason = dispatch.lookup(problem)
+        assert changed.side_stream == "none" and changed.reverse_scan.num_warps == 8
+        assert reason.endswith("--set side_stream=none reverse_scan.num_warps=8")
+    assert dispatch.lookup is original and dispatch.lookup(problem)[0] == base
+    assert mc.parse_args(["--models", "kda"]).overrides == {}
