@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from rewy_tune.kernels.reference.gate import activated_gate
-from rewy_tune.kernels.triton.gate import GateActivation, gate_backward
+from rewy_tune.kernels.triton.gate import GateActivation
 from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule
 
@@ -201,14 +201,13 @@ class RewyTritonFunction(torch.autograd.Function):
         do = torch.zeros_like(v) if do is None else do.to(v.dtype)
         h0 = initial_state.float() if initial_state is not None else None
         # DeltaNet/GDN/KDA's one β passed as erase and write: its gradient in one buffer (autograd sums the slots)
+        gate_grads = {}  # the in-kernel gate's A_log and dt_bias gradients (KDA/GDN2 with gate_in_kernel)
         one_beta = (erase.dim() == 3 and erase.shape == write.shape and erase.dtype == write.dtype
                     and erase.data_ptr() == write.data_ptr())
         dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
             q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
-            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate)
-        dA_log = ddt_bias = None
-        if gate is not None:  # dg is the activated gate's (fp32): through the activation to g, A_log, dt_bias
-            dg, dA_log, ddt_bias = gate_backward(g, gate, dg)
+            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate, gate_grads=gate_grads)
+        dA_log, ddt_bias = gate_grads.get("A_log"), gate_grads.get("dt_bias")
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)
         return (dq, dk, dv, dg, d_erase, d_write, dh0, None, None, None, None, None, None, dA_log, ddt_bias,

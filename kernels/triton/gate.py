@@ -67,6 +67,25 @@ def activate(x, a_log, bias, lower_bound, HAS_A: tl.constexpr, HAS_BIAS: tl.cons
     return y
 
 
+@triton.jit
+def activation_grad(x, a, bias, dy, lower_bound, HAS_BIAS: tl.constexpr, LOWER: tl.constexpr):
+    """(dx, dA) at the raw fp32 input x for dy, the gradient of the activated gate: dx its input's gradient, dA the
+    terms that sum to A_log's (a = exp(A_log), 1.0 without A_log; bias broadcastable to x)."""
+    if HAS_BIAS:
+        x = x + bias
+    if LOWER:
+        z = a * x
+        s = tl.sigmoid(z)
+        dz = dy * lower_bound * s * (1.0 - s)
+        dx = dz * a
+        dA = dz * z  # d z / d A_log = a x = z
+    else:
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        dx = -dy * a * tl.sigmoid(x)
+        dA = -dy * a * sp  # d y / d A_log = y
+    return dx, dA
+
+
 @triton.jit(do_not_specialize=["N"])
 def rewy_gate_backward_kernel(
     g, A_log, dt_bias, dy, dx, dA_parts, db_parts, N, lower_bound,
@@ -82,22 +101,13 @@ def rewy_gate_backward_kernel(
     p = (rows.to(tl.int64)[:, None] * H + i_h) * K + o_k[None, :]
     b_x = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
+    b_b = tl.zeros([1, BK], dtype=tl.float32)
     if HAS_BIAS:
-        b_x += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        b_b = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    b_a = 1.0
     if HAS_A:
         b_a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    else:
-        b_a = 1.0
-    if LOWER:
-        b_z = b_a * b_x
-        b_s = tl.sigmoid(b_z)
-        b_dz = b_dy * lower_bound * b_s * (1.0 - b_s)
-        b_dx = b_dz * b_a
-        b_dA = b_dz * b_z  # d z / d A_log = a x = z
-    else:
-        b_sp = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))
-        b_dx = -b_dy * b_a * tl.sigmoid(b_x)
-        b_dA = -b_dy * b_a * b_sp  # d y / d A_log = y
+    b_dx, b_dA = activation_grad(b_x, b_a, b_b, b_dy, lower_bound, HAS_BIAS, LOWER)
     b_dx = tl.where(m, b_dx, 0.0)
     tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
     if HAS_A:

@@ -106,7 +106,7 @@ def _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedu
 
 
 def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                         S0=None, R=None, G=None, Aqk=None, one_beta=False, W=None, gate=None):
+                         S0=None, R=None, G=None, Aqk=None, one_beta=False, W=None, gate=None, gate_grads=None):
     """ReWY backward of DeltaNet (g None) / GDN (g [B,T,H]) on Triton.
 
     q, k [B,T,H,K]; v, do [B,T,H,V] (one dtype: fp16/bf16/fp32); g, erase, write [B,T,H]; A = M^{-1}
@@ -124,8 +124,8 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     Vector gates (g [B,T,H,K]: KDA, GDN2) go to ``vector_local.rewy_backward_triton_vector`` (same contract, plus
     Aqk: the forward's A_qk [B,T,H,chunk_size] in FLA's convention, read when schedule.dv_local_source is
     "forward"). Scalar gates never read Aqk. gate (vector gates only, a `gate.GateActivation`): g is the raw gate
-    input of KDA/GDN2's in-kernel gate, activated inside the chunk cumsum; dg is then the fp32 gradient of the
-    activated gate, which `gate.gate_backward` takes to the raw input and the gate's parameters.
+    input of KDA/GDN2's in-kernel gate, activated inside the chunk cumsum; dg is then the raw input's gradient (in
+    g's dtype), and gate_grads (a dict) receives the gradients of the gate's parameters, "A_log" and "dt_bias".
     """
     if isinstance(g, torch.Tensor) and g.dim() == 4 and g.shape == q.shape:
         from .vector_local import rewy_backward_triton_vector
@@ -135,7 +135,7 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
                              "'separate'")
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
-                                           Aqk=Aqk, W=W, gate=gate, one_beta=one_beta)
+                                           Aqk=Aqk, W=W, gate=gate, one_beta=one_beta, gate_grads=gate_grads)
     if gate is not None:
         raise ValueError("gate: the in-kernel gate activation is fused for vector gates (KDA, GDN2) only")
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
@@ -387,6 +387,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)
 
     # the consumers return dg itself: Ḡ's reverse in-chunk cumsum is formed in the program that holds the chunk
-    if gate is None:  # with the in-kernel gate, dg stays fp32 for the activation's backward
+    if gate is None:  # with the in-kernel gate the caller takes dg on (vector_local: to the raw gate input)
         dg = dg.to(g.dtype) if g is not None else None
     return dq, dk, dv, dg, d_erase, d_write, dh0

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
+from .gate import activation_grad, gate_backward
 from .local import _chunk_prologue, _output_like, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
@@ -251,12 +252,13 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
     dq, dk, dv, hd, dg, derase, dwrite, paths,
+    graw, A_log, dt_bias, dA_parts, db_parts, lower_bound,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
-    ONE_BETA: tl.constexpr,
+    ONE_BETA: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER: tl.constexpr,
 ):
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
@@ -494,7 +496,25 @@ def rewy_bwd_kernel_consumer_vector(
         b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * b_frob
         b_gb += tl.where(is_last[:, None], b_end[None, :], 0.0)
         # dg: Ḡ's reverse in-chunk cumsum per channel, formed here (this program holds the chunk's rows of this tile)
-        tl.store(dg + p_rk, tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True), mask=m_rk)
+        b_dgc = tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True)
+        if GATE:  # through the in-kernel gate's activation (gate.py): the raw input's dg, parts of dA_log, ddt_bias
+            b_x = tl.load(graw + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+            b_bias = tl.zeros([1, BK], dtype=tl.float32)
+            if HAS_BIAS:
+                b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+            b_a = 1.0
+            if HAS_A:
+                b_a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            b_dx, b_dA = activation_grad(b_x, b_a, b_bias, b_dgc, lower_bound, HAS_BIAS, LOWER)
+            b_dx = tl.where(m_rk, b_dx, 0.0)
+            tl.store(dg + p_rk, b_dx.to(dg.dtype.element_ty), mask=m_rk)
+            part = (i_b * NT + i_t) * H + i_h  # one part per (chunk, head): summed by the launcher
+            if HAS_A:
+                tl.store(dA_parts + part * NK + i_k, tl.sum(tl.sum(tl.where(m_rk, b_dA, 0.0), axis=1), axis=0))
+            if HAS_BIAS:
+                tl.store(db_parts + part * K + o_k, tl.sum(b_dx, axis=0), mask=m_k)
+        else:
+            tl.store(dg + p_rk, b_dgc, mask=m_rk)
 
     if not ERASE_VEC:
         if ONE_BETA:  # KDA's one β: the write path joins the erase path (part 0 carries it)
@@ -537,7 +557,7 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                     intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1, chunk_ranges=None,
-                    dv_out=None, one_beta: bool = False):
+                    dv_out=None, one_beta: bool = False, gate=None, graw=None, gate_grads: dict | None = None):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
     programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
     chunk_ranges, dv_out: as ``consumer_tma.consumer_tma``'s (Schedule.consumer_ranges: one launch per chunk range,
@@ -547,7 +567,9 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
     [B,T,H,K] (the gate's gradient: the reverse in-chunk cumsum of Ḡ, the cumulative gate's adjoint); paths int32
     [B·H, NT, cdiv(K, BK)]: 1 centred, 2 sub-chunk. one_beta (KDA, erase and write one β tensor): d_erase is
-    the whole dβ and d_write None (no second [B,T,H] gradient for autograd to add).
+    the whole dβ and d_write None (no second [B,T,H] gradient for autograd to add). gate (`gate.GateActivation`),
+    graw (its raw input, [B,T,H,K]) and gate_grads (a dict): the in-kernel gate's backward in the dg store; dg is
+    then graw's gradient in graw's dtype, and gate_grads receives "A_log" and "dt_bias" (None where not given).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -573,7 +595,16 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     dv = output_buffer(dv_out, v, "dv_out")
     # H_< | D rows, one scratch per program of a chunk
     hd = torch.empty(k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
-    dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    if gate is not None:
+        gate.check(graw)
+        if tuple(graw.shape) != (B, T, H, K) or not isinstance(gate_grads, dict):
+            raise ValueError(f"gate: pass graw [B,T,H,K]={(B, T, H, K)} (got {tuple(graw.shape)}) and a gate_grads dict")
+    dg = torch.empty(B, T, H, K, dtype=torch.float32 if gate is None else graw.dtype, device=q.device)
+    with_a = gate is not None and gate.A_log is not None
+    with_bias = gate is not None and gate.dt_bias is not None
+    dA_parts = torch.empty(B * NT, H, NK, dtype=torch.float32, device=q.device) if with_a else None
+    db_parts = torch.empty(B * NT, H, K, dtype=torch.float32, device=q.device) if with_bias else None
+    lower = gate is not None and gate.lower_bound is not None
     if one_beta and not (erase.dim() == 3 and write.dim() == 3 and erase.dtype == write.dtype):
         raise ValueError("one_beta: erase and write must be one [B,T,H] β (KDA), got "
                          f"{tuple(erase.shape)} {erase.dtype} and {tuple(write.shape)} {write.dtype}")
@@ -586,24 +617,36 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
         rewy_bwd_kernel_consumer_vector[(c1 - c0, B * H, k_split)](
             q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
             dq, dk, dv, hd, dg, derp, dwrite, paths,
+            graw if gate is not None else None, gate.A_log if with_a else None,
+            gate.dt_bias if with_bias else None, dA_parts, db_parts, float(gate.lower_bound) if lower else 0.0,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta,
+            GATE=gate is not None, HAS_A=with_a, HAS_BIAS=with_bias, LOWER=lower,
             num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)
+    if gate is not None:
+        gate_grads["A_log"] = dA_parts.sum((0, 2)).reshape(gate.A_log.shape).to(gate.A_log.dtype) if with_a else None
+        gate_grads["dt_bias"] = (db_parts.sum(0).reshape(gate.dt_bias.shape).to(gate.dt_bias.dtype) if with_bias
+                                 else None)
     return dq, dk, dv, dg, derase, dwrite, paths
 
 
 # --------------------------------------------------------------------------------------------------
 # The whole vector-gate backward
+
+# The in-kernel gate's backward inside the consumer's dg store (True), or `gate.gate_backward` after it (False: one
+# more fp32 [B,T,H,K] write and read per layer, the path the H200 ran in session 19). Off until the fused store has
+# run on a GPU (tests/kernels/test_triton_gate.py -m gpu) and been timed (benchmarks/model_check.py).
+FUSED_GATE_GRAD = False
 # --------------------------------------------------------------------------------------------------
 def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
                                 S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None, W=None,
-                                gate=None, one_beta=False):
+                                gate=None, one_beta=False, gate_grads: dict | None = None):
     """ReWY backward of KDA (erase = write = β [B,T,H]) / GDN2 (erase b [B,T,H,K], write w [B,T,H,V]) on Triton.
 
     Same contract as ``pipeline.rewy_backward_triton``: q, k [B,T,H,K]; v, do [B,T,H,V] (fp16/bf16/fp32);
@@ -611,9 +654,9 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
     S0 [B,NT,H,K,V] and R [B,T,H,V] for policy A; G the chunk cumsum of g (None: computed here); Aqk the
     forward's A_qk [B,T,H,chunk_size] in q's dtype (FLA's Aqk convention), required when
     ``schedule.dv_local_source == "forward"`` and not read otherwise; W the forward's W for policy A (None:
-    recomputed). gate: KDA/GDN2's in-kernel gate (`gate.GateActivation`): g is its raw input and dg comes back
-    fp32, the gradient of the activated gate (see ``pipeline.rewy_backward_triton``). one_beta (KDA's one β as
-    erase and write): d_erase is dβ and d_write None.
+    recomputed). gate: KDA/GDN2's in-kernel gate (`gate.GateActivation`): g is its raw input, dg its gradient in g's
+    dtype, and ``gate_grads`` (a dict, required with gate) receives "A_log" and "dt_bias" (see
+    ``pipeline.rewy_backward_triton``). one_beta (KDA's one β as erase and write): d_erase is dβ and d_write None.
     ``intra_paths``: optional dict; receives ``"flags"``, the consumer's int32 per-tile path flags (1 centred,
     2 sub-chunk), with no host synchronisation.
 
@@ -658,12 +701,22 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
                                num_warps=num_warps, num_stages=num_stages, intra=schedule.intra,
                                intra_precision=schedule.intra_precision, out=out)
 
+    if gate is not None and not isinstance(gate_grads, dict):
+        raise ValueError("gate_grads: the in-kernel gate's parameter gradients need a dict to go into")
+    fused = gate is not None and FUSED_GATE_GRAD
+    in_consumer = dict(gate=gate, graw=g, gate_grads=gate_grads) if fused else {}
+
     def consumer(*args, **kwargs):
         *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,
-                                        k_split=schedule.consumer_k_split, one_beta=one_beta, **kwargs)
+                                        k_split=schedule.consumer_k_split, one_beta=one_beta, **in_consumer,
+                                        **kwargs)
         if intra_paths is not None:
             intra_paths["flags"] = flags
         return grads
 
-    return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
-                      schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate)
+    dq, dk, dv, dg, d_erase, d_write, dh0 = run_stages(
+        q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state, schedule=schedule, S0=S0,
+        R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate)
+    if gate is not None and not fused:  # dg is the activated gate's (fp32): through the activation on its own
+        dg, gate_grads["A_log"], gate_grads["dt_bias"] = gate_backward(g, gate, dg)
+    return dq, dk, dv, dg, d_erase, d_write, dh0
