@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gate import GateActivation, activate
+from .gate import GateActivation, activate, gate_params
 from .recompute import validate_chunk_size, validate_launch, validate_tile
 
 
@@ -39,13 +39,8 @@ def rewy_chunk_cumsum_kernel(
         p = tok
     b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
     if GATE:  # the raw gate input, activated (VECTOR only); rows past T are zeroed after it
-        b_a = 0.0
-        b_b = tl.zeros([1, BK], dtype=tl.float32)
-        if HAS_A:
-            b_a = tl.load(A_log + i_h).to(tl.float32)
-        if HAS_BIAS:
-            b_b = tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-        b_x = tl.where(m, activate(b_x, b_a, b_b, lower_bound, HAS_A, HAS_BIAS, LOWER), 0.0)
+        b_a, b_b = gate_params(A_log, dt_bias, i_h, o_k, o_k < K, K, BK, HAS_A, HAS_BIAS)
+        b_x = tl.where(m, activate(b_x, b_a, b_b, lower_bound, HAS_BIAS, LOWER), 0.0)
     b_y = tl.cumsum(b_x, axis=0)
     tl.store(y + p, b_y, mask=m)
 

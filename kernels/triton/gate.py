@@ -53,17 +53,32 @@ class GateActivation:
 
 
 @triton.jit
-def activate(x, a_log, bias, lower_bound, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER: tl.constexpr):
-    """The activated gate of fp32 x (a_log a scalar or broadcastable tile, bias like x): see the module doc."""
+def gate_params(A_log, dt_bias, i_h, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, HAS_A: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """(a, bias) of head i_h: a = exp(A_log[i_h]) (1.0 without A_log), bias the [1, BK] row dt_bias[i_h, o_k]."""
+    bias = tl.zeros([1, BK], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    a = 1.0
+    if HAS_A:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    return a, bias
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's (threshold 20)
+
+
+@triton.jit
+def activate(x, a, bias, lower_bound, HAS_BIAS: tl.constexpr, LOWER: tl.constexpr):
+    """The activated gate at the raw fp32 input x ((a, bias) from `gate_params`): see the module doc."""
     if HAS_BIAS:
         x = x + bias
     if LOWER:
-        if HAS_A:
-            x = tl.exp(a_log) * x
-        y = lower_bound * tl.sigmoid(x)
+        y = lower_bound * tl.sigmoid(a * x)
     else:
-        # softplus as torch's (threshold 20: x itself above it)
-        y = -tl.exp(a_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        y = -a * _softplus(x)
     return y
 
 
@@ -80,9 +95,8 @@ def activation_grad(x, a, bias, dy, lower_bound, HAS_BIAS: tl.constexpr, LOWER: 
         dx = dz * a
         dA = dz * z  # d z / d A_log = a x = z
     else:
-        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         dx = -dy * a * tl.sigmoid(x)
-        dA = -dy * a * sp  # d y / d A_log = y
+        dA = -dy * a * _softplus(x)  # d y / d A_log = y
     return dx, dA
 
 
@@ -101,12 +115,7 @@ def rewy_gate_backward_kernel(
     p = (rows.to(tl.int64)[:, None] * H + i_h) * K + o_k[None, :]
     b_x = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
-    b_b = tl.zeros([1, BK], dtype=tl.float32)
-    if HAS_BIAS:
-        b_b = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-    b_a = 1.0
-    if HAS_A:
-        b_a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_a, b_b = gate_params(A_log, dt_bias, i_h, o_k, m_k, K, BK, HAS_A, HAS_BIAS)
     b_dx, b_dA = activation_grad(b_x, b_a, b_b, b_dy, lower_bound, HAS_BIAS, LOWER)
     b_dx = tl.where(m, b_dx, 0.0)
     tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)

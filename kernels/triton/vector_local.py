@@ -40,7 +40,7 @@ import triton.language as tl
 
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .gate import activation_grad, gate_backward
+from .gate import activation_grad, gate_backward, gate_params
 from .local import _chunk_prologue, _output_like, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
@@ -499,12 +499,7 @@ def rewy_bwd_kernel_consumer_vector(
         b_dgc = tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True)
         if GATE:  # through the in-kernel gate's activation (gate.py): the raw input's dg, parts of dA_log, ddt_bias
             b_x = tl.load(graw + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-            b_bias = tl.zeros([1, BK], dtype=tl.float32)
-            if HAS_BIAS:
-                b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-            b_a = 1.0
-            if HAS_A:
-                b_a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            b_a, b_bias = gate_params(A_log, dt_bias, i_h, o_k, m_k, K, BK, HAS_A, HAS_BIAS)
             b_dx, b_dA = activation_grad(b_x, b_a, b_bias, b_dgc, lower_bound, HAS_BIAS, LOWER)
             b_dx = tl.where(m_rk, b_dx, 0.0)
             tl.store(dg + p_rk, b_dx.to(dg.dtype.element_ty), mask=m_rk)
