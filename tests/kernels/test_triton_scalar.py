@@ -587,10 +587,12 @@ def _range_spy(monkeypatch, log):
 
     real_kernel, real_scan = consumer_tma.rewy_bwd_kernel_consumer_tma, pipeline.reverse_state_scan_ranges
 
+    c_off = real_kernel.arg_names.index("c_off")
+
     class Kernel:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                c0 = args[26]  # c_off
+                c0 = args[c_off]
                 log.append(f"consumer {c0}-{c0 + grid[0]} on {pipeline.torch.cuda.current_stream().name}")
                 return real_kernel[grid](*args, **kw)
             return launch

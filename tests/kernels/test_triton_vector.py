@@ -250,10 +250,12 @@ def test_consumer_ranges(op, source, monkeypatch):
     launches = []
     real = vector_local.rewy_bwd_kernel_consumer_vector
 
+    c_off = real.arg_names.index("c_off")
+
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                launches.append((args[26], grid[0]))  # (c_off, chunks)
+                launches.append((args[c_off], grid[0]))  # (c_off, chunks)
                 return real[grid](*args, **kw)
             return launch
 
