@@ -132,6 +132,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=None, metavar="FIELD=VALUE",
                    help="change the schedule the routed calls and the operator-alone timing use (as rewy-tune bench "
                         "--set: one FIELD=VALUE each, a stage's member as STAGE.MEMBER), e.g. side_stream=none")
+    p.add_argument("--v-first-vector", action="store_true",
+                   help="KDA/GDN2 under R: FLA's forward state scan V-first (kernels.triton_function.V_FIRST_VECTOR, "
+                        "off by default until GPU-checked)")
+    p.add_argument("--fused-gate-grad", action="store_true",
+                   help="the in-kernel gate's backward in the vector consumer (kernels.triton.vector_local."
+                        "FUSED_GATE_GRAD, off by default until GPU-checked)")
     p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                    help="GPU: after timing, profile N eager steps of each timed mode (torch.profiler) and print "
                         "every kernel's device time per step, forward and backward apart, and where the modes "
@@ -175,6 +181,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+@contextlib.contextmanager
+def pending_changes(args):
+    """--v-first-vector, --fused-gate-grad: the written-but-off changes switched on while the check runs."""
+    from rewy_tune.kernels import triton_function
+    from rewy_tune.kernels.triton import vector_local
+
+    saved = triton_function.V_FIRST_VECTOR, vector_local.FUSED_GATE_GRAD
+    triton_function.V_FIRST_VECTOR = saved[0] or args.v_first_vector
+    vector_local.FUSED_GATE_GRAD = saved[1] or args.fused_gate_grad
+    try:
+        yield
+    finally:
+        triton_function.V_FIRST_VECTOR, vector_local.FUSED_GATE_GRAD = saved
 
 
 def schedule_overrides(args) -> dict:
@@ -1033,6 +1054,7 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         routed = stack.enter_context(routing(args.force_triton, interpreter=args.dry_run))
         stack.enter_context(overridden_lookup(args.overrides))
+        stack.enter_context(pending_changes(args))
         from rewy_tune.kernels.triton_function import GPU_VERIFIED_OPS
 
         if args.force_triton:

@@ -335,10 +335,17 @@ def test_16bit_small_head_dims_go_to_fla(case, admitted):
 # -- GPU: FLA's fused activation kernels, and FLA's own forward on the same calls ----------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("v_first", [False, True], ids=["k-first", "v-first"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gpu_layer_call_routed_and_matches_float64(case, dtype, admitted):
+def test_gpu_layer_call_routed_and_matches_float64(case, dtype, v_first, admitted, monkeypatch):
     from rewy_tune import fla_baseline
+    from rewy_tune.kernels import triton_function
+
+    if case.op in ("deltanet", "gdn") and not v_first:
+        pytest.skip("DeltaNet/GDN's policy-R forward is always V-first")
+    # KDA/GDN2: both layouts of FLA's forward state scan, whichever is the default (triton_function.V_FIRST_VECTOR)
+    monkeypatch.setattr(triton_function, "V_FIRST_VECTOR", v_first)
 
     fla_baseline.bypass_hopper_guard()
     x = make_inputs(case, dtype, "cuda", dims=(B, T, H, K, V) if dtype == torch.float32 else GPU_16BIT_DIMS)

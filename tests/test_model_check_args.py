@@ -129,3 +129,15 @@ def test_schedule_overrides_reach_the_routed_lookup_and_are_undone(mc):
         assert reason.endswith("--set side_stream=none reverse_scan.num_warps=8")
     assert dispatch.lookup is original and dispatch.lookup(problem)[0] == base
     assert mc.parse_args(["--models", "kda"]).overrides == {}
+
+
+def test_pending_changes_are_switched_on_for_the_check_only(mc):
+    from rewy_tune.kernels import triton_function
+    from rewy_tune.kernels.triton import vector_local
+
+    before = triton_function.V_FIRST_VECTOR, vector_local.FUSED_GATE_GRAD
+    with mc.pending_changes(mc.parse_args(["--v-first-vector", "--fused-gate-grad"])):
+        assert triton_function.V_FIRST_VECTOR and vector_local.FUSED_GATE_GRAD
+    assert (triton_function.V_FIRST_VECTOR, vector_local.FUSED_GATE_GRAD) == before
+    with mc.pending_changes(mc.parse_args([])):
+        assert (triton_function.V_FIRST_VECTOR, vector_local.FUSED_GATE_GRAD) == before

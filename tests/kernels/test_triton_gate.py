@@ -199,7 +199,9 @@ def test_bad_gate_arguments_are_named():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fused", [False, True], ids=["gate-kernel", "in-consumer"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("form", [FORMS[0], FORMS[2]], ids=[FORM_IDS[0], FORM_IDS[2]])
-def test_gpu_op_with_the_gate_in_kernel(op, form):
+def test_gpu_op_with_the_gate_in_kernel(op, form, fused, monkeypatch):
+    monkeypatch.setattr(vector_local, "FUSED_GATE_GRAD", fused)  # both, whichever is the default
     _check_gated_op(op, form, (1, 512, 4, 128, 128), torch.bfloat16, "cuda", seed=6)
