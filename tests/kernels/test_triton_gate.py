@@ -88,7 +88,7 @@ def _op_inputs(op, B, T, H, K, V, dtype, device, gen):
     return q, k, v, g, betas
 
 
-def _run(op, tensors, gate, backend, h0, dtype=None):
+def _run(op, tensors, gate, backend, h0, dtype=None, policy="R"):
     """(o, gradients of q, k, v, g, the betas, A_log and dt_bias where given, h0) of the gated op."""
     q, k, v, g, betas = tensors
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
@@ -98,7 +98,7 @@ def _run(op, tensors, gate, backend, h0, dtype=None):
     h = cast(h0).detach().requires_grad_() if h0 is not None else None
     fn = rewy_tune.chunk_kda if op == "kda" else rewy_tune.chunk_gdn2
     o, ht = fn(*leaves, initial_state=h, output_final_state=True, backend=backend, use_gate_in_kernel=True,
-               A_log=params[0], dt_bias=params[1], lower_bound=lb)
+               A_log=params[0], dt_bias=params[1], lower_bound=lb, policy=policy)
     gen = torch.Generator().manual_seed(11)
     do = torch.randn(o.shape, generator=gen).to(o)
     dht = torch.randn(ht.shape, generator=gen).to(ht)
@@ -107,24 +107,25 @@ def _run(op, tensors, gate, backend, h0, dtype=None):
     return o, grads
 
 
+@pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("fused", [False, True], ids=["gate-kernel", "in-consumer"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("form", [FORMS[0], FORMS[2]], ids=[FORM_IDS[0], FORM_IDS[2]])
-def test_op_with_the_gate_in_kernel_matches_float64(op, form, fused, monkeypatch):
+def test_op_with_the_gate_in_kernel_matches_float64(op, form, fused, policy, monkeypatch):
     monkeypatch.setattr(vector_local, "FUSED_GATE_GRAD", fused)
-    _check_gated_op(op, form, (1, 80, 2, 32, 32), torch.float32, "cpu", seed=5)  # two chunks, the second a tail
+    _check_gated_op(op, form, (1, 80, 2, 32, 32), torch.float32, "cpu", seed=5, policy=policy)  # a tail chunk
 
 
-def _check_gated_op(op, form, dims, dtype, device, seed):
+def _check_gated_op(op, form, dims, dtype, device, seed, policy="R"):
     """The gated op on the Triton backend against the float64 torch backend: o and every gradient, at the gates."""
     gen = torch.Generator().manual_seed(seed)
     B, T, H, K, V = dims
     tensors = _op_inputs(op, B, T, H, K, V, dtype, device, gen)
     gate = [t.to(device) if isinstance(t, torch.Tensor) else t for t in _params(H, K, form, gen)]
     h0 = (torch.randn(B, H, K, V, generator=gen) * 0.1).to(device)
-    o_ref, ref = _run(op, tensors, gate, "torch", h0, dtype=torch.float64)
+    o_ref, ref = _run(op, tensors, gate, "torch", h0, dtype=torch.float64, policy=policy)
     with poison_allocations():
-        o, got = _run(op, tensors, gate, "triton", h0)
+        o, got = _run(op, tensors, gate, "triton", h0, policy=policy)
     assert rel_rms(o, o_ref) <= ORDINARY_RTOL
     names = ["dq", "dk", "dv", "dg", *(("dbeta",) if op == "kda" else ("db", "dw")), "dA_log", "ddt_bias", "dh0"]
     for name, a, r in zip(names, got, ref, strict=True):
@@ -205,3 +206,11 @@ def test_bad_gate_arguments_are_named():
 def test_gpu_op_with_the_gate_in_kernel(op, form, fused, monkeypatch):
     monkeypatch.setattr(vector_local, "FUSED_GATE_GRAD", fused)  # both, whichever is the default
     _check_gated_op(op, form, (1, 512, 4, 128, 128), torch.bfloat16, "cuda", seed=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_op_with_the_gate_in_kernel_policy_a(op):
+    # policy A: FLA's save-all forward (disable_recompute) with its fused gate, our backward without a recompute
+    _check_gated_op(op, FORMS[0], (1, 512, 4, 128, 128), torch.bfloat16, "cuda", seed=7, policy="A")
