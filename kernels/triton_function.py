@@ -219,8 +219,6 @@ def run_triton_op(op, q, k, v, g, erase, write, *, initial_state, scale, policy,
     """Entry used by `rewy_tune.ops` for backend="triton" (gate: KDA/GDN2's in-kernel gate, g its raw input)."""
     if op not in SUPPORTED_OPS:
         raise ValueError(f"op: the Triton backward exists for {SUPPORTED_OPS}, got {op!r}")
-    if gate is None:
-        return RewyTritonFunction.apply(q, k, v, g, erase, write, initial_state, scale, 64, policy,
-                                        output_final_state, schedule)
+    A_log, dt_bias, lower_bound = (gate.A_log, gate.dt_bias, gate.lower_bound) if gate is not None else (None,) * 3
     return RewyTritonFunction.apply(q, k, v, g, erase, write, initial_state, scale, 64, policy,
-                                    output_final_state, schedule, True, gate.A_log, gate.dt_bias, gate.lower_bound)
+                                    output_final_state, schedule, gate is not None, A_log, dt_bias, lower_bound)

@@ -222,14 +222,10 @@ def _gate(op: str, g, acts: Activations, fused: bool):
     import torch
 
     A_log, dt_bias, lower_bound = acts.A_log, acts.dt_bias, acts.lower_bound
-    if fused:
-        if op == "gdn":
-            from fla.ops.gated_delta_rule.gate import fused_gdn_gate
+    if fused and op == "gdn":  # KDA's and GDN2's gate runs inside the op when routed (`gate_in_op`)
+        from fla.ops.gated_delta_rule.gate import fused_gdn_gate
 
-            return fused_gdn_gate(g, A_log, dt_bias, output_dtype=torch.float32)
-        from fla.ops.kda.gate import fused_kda_gate
-
-        return fused_kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, output_dtype=torch.float32)
+        return fused_gdn_gate(g, A_log, dt_bias, output_dtype=torch.float32)
     from rewy_tune.kernels.reference.gate import activated_gate
 
     return activated_gate(g, A_log, dt_bias, lower_bound)

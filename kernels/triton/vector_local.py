@@ -40,7 +40,7 @@ import triton.language as tl
 
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .gate import activation_grad, gate_backward, gate_params
+from .gate import gate_backward, parameter_grads, store_gate_grads
 from .local import _chunk_prologue, _output_like, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
@@ -498,16 +498,11 @@ def rewy_bwd_kernel_consumer_vector(
         # dg: Ḡ's reverse in-chunk cumsum per channel, formed here (this program holds the chunk's rows of this tile)
         b_dgc = tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True)
         if GATE:  # through the in-kernel gate's activation (gate.py): the raw input's dg, parts of dA_log, ddt_bias
-            b_x = tl.load(graw + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-            b_a, b_bias = gate_params(A_log, dt_bias, i_h, o_k, m_k, K, BK, HAS_A, HAS_BIAS)
-            b_dx, b_dA = activation_grad(b_x, b_a, b_bias, b_dgc, lower_bound, HAS_BIAS, LOWER)
-            b_dx = tl.where(m_rk, b_dx, 0.0)
-            tl.store(dg + p_rk, b_dx.to(dg.dtype.element_ty), mask=m_rk)
-            part = (i_b * NT + i_t) * H + i_h  # one part per (chunk, head): summed by the launcher
-            if HAS_A:
-                tl.store(dA_parts + part * NK + i_k, tl.sum(tl.sum(tl.where(m_rk, b_dA, 0.0), axis=1), axis=0))
-            if HAS_BIAS:
-                tl.store(db_parts + part * K + o_k, tl.sum(b_dx, axis=0), mask=m_k)
+            # one part per (chunk, feature tile, head) / (chunk, head, channel): summed by the launcher
+            c_part = i_b * NT + i_t
+            store_gate_grads(graw, dg, p_rk, m_rk, b_dgc, o_k, m_k, i_h,
+                             dA_parts, (c_part * NK + i_k) * H + i_h, db_parts, (c_part * H + i_h) * K,
+                             A_log, dt_bias, lower_bound, K, BK, HAS_A, HAS_BIAS, LOWER)
         else:
             tl.store(dg + p_rk, b_dgc, mask=m_rk)
 
@@ -593,11 +588,12 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     if gate is not None:
         gate.check(graw)
         if tuple(graw.shape) != (B, T, H, K) or not isinstance(gate_grads, dict):
-            raise ValueError(f"gate: pass graw [B,T,H,K]={(B, T, H, K)} (got {tuple(graw.shape)}) and a gate_grads dict")
+            raise ValueError(f"gate: pass graw [B,T,H,K]={(B, T, H, K)} (got {tuple(graw.shape)}) and a "
+                             "gate_grads dict")
     dg = torch.empty(B, T, H, K, dtype=torch.float32 if gate is None else graw.dtype, device=q.device)
     with_a = gate is not None and gate.A_log is not None
     with_bias = gate is not None and gate.dt_bias is not None
-    dA_parts = torch.empty(B * NT, H, NK, dtype=torch.float32, device=q.device) if with_a else None
+    dA_parts = torch.empty(B * NT, NK, H, dtype=torch.float32, device=q.device) if with_a else None
     db_parts = torch.empty(B * NT, H, K, dtype=torch.float32, device=q.device) if with_bias else None
     lower = gate is not None and gate.lower_bound is not None
     if one_beta and not (erase.dim() == 3 and write.dim() == 3 and erase.dtype == write.dtype):
@@ -625,20 +621,20 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)
     if gate is not None:
-        gate_grads["A_log"] = dA_parts.sum((0, 2)).reshape(gate.A_log.shape).to(gate.A_log.dtype) if with_a else None
-        gate_grads["dt_bias"] = (db_parts.sum(0).reshape(gate.dt_bias.shape).to(gate.dt_bias.dtype) if with_bias
-                                 else None)
+        gate_grads["A_log"], gate_grads["dt_bias"] = parameter_grads(gate, dA_parts, db_parts)
     return dq, dk, dv, dg, derase, dwrite, paths
 
 
 # --------------------------------------------------------------------------------------------------
 # The whole vector-gate backward
+# --------------------------------------------------------------------------------------------------
 
 # The in-kernel gate's backward inside the consumer's dg store (True), or `gate.gate_backward` after it (False: one
 # more fp32 [B,T,H,K] write and read per layer, the path the H200 ran in session 19). Off until the fused store has
 # run on a GPU (tests/kernels/test_triton_gate.py -m gpu) and been timed (benchmarks/model_check.py).
 FUSED_GATE_GRAD = False
-# --------------------------------------------------------------------------------------------------
+
+
 def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
                                 S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None, W=None,
                                 gate=None, one_beta=False, gate_grads: dict | None = None):

@@ -16,7 +16,7 @@ import rewy_tune
 from rewy_tune.gates import GATE_RTOL, ORDINARY_RTOL, poison_allocations
 from rewy_tune.kernels.reference.gate import activated_gate
 from rewy_tune.kernels.triton.cumsum import chunk_cumsum
-from rewy_tune.kernels.reference.chunk_forward import chunk_forward
+from rewy_tune.kernels.reference.chunk_forward import chunk_forward, chunk_local_cumsum
 from rewy_tune.kernels.triton import vector_local
 from rewy_tune.kernels.triton.gate import GateActivation, gate_backward
 from rewy_tune.schedule import Schedule, StageConfig
@@ -35,10 +35,6 @@ def _params(H, K, form, gen, dtype=torch.float32):
     return A_log, dt_bias, lower_bound
 
 
-def _chunk_cumsum64(y, C):
-    return torch.cat([y[:, i:i + C].cumsum(1) for i in range(0, y.shape[1], C)], 1)
-
-
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 def test_cumsum_applies_the_gate(form):
     gen = torch.Generator().manual_seed(3)
@@ -47,8 +43,9 @@ def test_cumsum_applies_the_gate(form):
     A_log, dt_bias, lb = _params(H, K, form, gen)
     with poison_allocations():
         G = chunk_cumsum(x, chunk_size=C, BK=32, num_warps=2, gate=GateActivation(A_log, dt_bias, lb))
-    ref = _chunk_cumsum64(activated_gate(x.double(), None if A_log is None else A_log.double(),
-                                         None if dt_bias is None else dt_bias.double(), lb), C)
+    act = activated_gate(x.double(), None if A_log is None else A_log.double(),
+                         None if dt_bias is None else dt_bias.double(), lb)
+    ref = chunk_local_cumsum(act.transpose(1, 2), C).transpose(1, 2)  # the reference's [B, H, T, K] layout
     assert G.dtype == torch.float32 and not G.isnan().any()
     assert rel_rms(G, ref) <= 1e-6
 
