@@ -195,6 +195,22 @@ def test_bad_gate_arguments_are_named():
         gate_backward(torch.zeros(1, 64, 2), GateActivation(torch.zeros(2), None), torch.zeros(1, 64, 2))
 
 
+def test_gate_grads_and_scalar_gates_are_refused_clearly():
+    # the backward needs somewhere to put dA_log / ddt_bias; a scalar gate (GDN) has no in-op activation here
+    from rewy_tune.kernels.triton_function import run_triton_op
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, g, (beta,) = _op_inputs("kda", 1, 64, 2, 16, 16, torch.float32, "cpu", gen)
+    fwd = chunk_forward(q, k, v, g, beta, beta, scale=0.25, initial_state=None, chunk_size=64)
+    gate = GateActivation(torch.zeros(2), None)
+    with pytest.raises(ValueError, match="gate_grads: the in-kernel gate's parameter gradients need a dict"):
+        vector_local.rewy_backward_triton_vector(q, k, v, g, beta, beta, fwd.A, v, None, scale=0.25,
+                                                 initial_state=None, schedule=SMALL, gate=gate)
+    with pytest.raises(ValueError, match="gate_in_kernel: the fused gate activation is for KDA and GDN2"):
+        run_triton_op("gdn", q, k, v, g[..., 0], beta, beta, initial_state=None, scale=None, policy="R",
+                      output_final_state=False, gate=gate)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fused", [False, True], ids=["gate-kernel", "in-consumer"])
