@@ -7,7 +7,8 @@ Forward:
   DeltaNet/GDN, drops (FLA has no save-all switch for these two operators); with ``schedule.w_source ==
   "forward"`` also w (W = A E, [B,T,H,K] in the input dtype), as FLA's own save-all keeps it, so the backward runs
   no recompute stage. For DeltaNet and GDN policy R runs FLA's state scan V-first (`state_v_first`, as FLA's own
-  layers do: faster on the H200), transposing an initial and a final state on the way (KDA/GDN2: V_FIRST_VECTOR).
+  layers do: faster on the H200), transposing an initial and a final state on the way; so do KDA and GDN2
+  (V_FIRST_VECTOR).
     DeltaNet: `prepare_wy_repr_fwd(k, v, beta)` -> (w, u, A); `chunk_gated_delta_rule_fwd_h(k, w, u, g=None,
               initial_state)` -> (h, v_new, final_state); `chunk_fwd_o(q, k, v_new, h, g=None, scale)` -> o.
     GDN:      `chunk_local_cumsum(g, scale=RCP_LN2)` -> G·log2(e) (fp32); `chunk_gated_delta_rule_fwd_intra(k, v,
@@ -59,10 +60,10 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None)
     return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype))
 
 
-# KDA/GDN2 under policy R: FLA's forward state scan V-first (as FLA's layers call it). Off until the GPU tests of the
-# KDA/GDN2 layer calls (tests/test_fla_patch_activations.py -m gpu) have run with it on: session 19's last device call
-# ran out before they did (DeltaNet and GDN passed).
-V_FIRST_VECTOR = False
+# KDA/GDN2 under policy R: FLA's forward state scan V-first (as FLA's layers call it). On since session 20: the KDA/GDN2
+# GPU layer calls passed with it, and FLA's KDA model step saved 0.158 ms with it against 0.107-0.124 without (the
+# same scan kernel, 345 against 369 µs per four layers). A switch so that model_check and the tests can compare.
+V_FIRST_VECTOR = True
 
 
 def _v_first(state):
@@ -77,9 +78,9 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
     disable_recompute path, which keeps h, v_new and w (policy R: None for the three). Aqk (out[3]) is FLA's
     A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention. gate (a GateActivation): g is the
     raw gate input, activated by FLA's fused gate-and-cumsum kernel (its use_gate_in_kernel).
-    The state scan runs K-first. FLA's layers run it V-first, which in the KDA model step (session 19) took 345 µs
-    for the four layers' scans where ours took 369; `_fla_forward` does so under R since session 19, GPU-checked
-    for DeltaNet and GDN only. Here it waits for the GPU run of the KDA/GDN2 layer calls (V_FIRST_VECTOR)."""
+    Under policy R the state scan runs V-first (V_FIRST_VECTOR), as FLA's layers run it: in the KDA model step it
+    took 345 µs for the four layers' scans where K-first took 369 (session 19). Policy A keeps h for the backward,
+    which reads it K-first."""
     v_first = V_FIRST_VECTOR and policy == "R"
     common = dict(scale=scale, initial_state=_v_first(initial_state) if v_first else initial_state,
                   output_final_state=output_final_state, chunk_size=chunk_size, disable_recompute=policy == "A",
