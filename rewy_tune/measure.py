@@ -155,6 +155,29 @@ class _Side:
         return (time.perf_counter() - t0) * 1e3
 
 
+class CallSide(_Side):
+    """Any differentiable call `fn(leaves) -> output` timed with the same graphs as an op's side: e.g. an FLA
+    layer's op call replayed with the keyword arguments the layer passed (benchmarks/model_check.py)."""
+
+    def __init__(self, fn: Callable[[list[torch.Tensor]], torch.Tensor], leaves: list[torch.Tensor],
+                 do: torch.Tensor):
+        self.fn = fn
+        self.leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+        self.do = do
+
+    def _call(self, leaves):
+        return self.fn(leaves)
+
+
+def time_captured(sides: list[_Side], rounds: int = MIN_ROUNDS) -> list[SideTiming]:
+    """Backward and forward + backward samples of sides already captured (`capture()`), interleaved."""
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"rounds: the protocol needs at least {MIN_ROUNDS} observations, got {rounds}")
+    backward = _time_graphs([s.bwd_graph for s in sides], rounds)
+    fwd_bwd = _time_graphs([s.fb_graph for s in sides], rounds)
+    return [SideTiming(backward_ms=b, fwd_bwd_ms=fb) for b, fb in zip(backward, fwd_bwd)]
+
+
 def run_once(op: str, fn: OpFn, shape: tuple[int, int, int], *, K: int = 128, V: int = 128,
              device="cuda") -> None:
     """One untimed forward and backward on benchmark inputs (compiles and autotunes what the shape needs)."""
