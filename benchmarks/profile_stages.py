@@ -85,6 +85,10 @@ def variants_for(op: str, base):
         out["fscan-bv32"] = base.replace(forward_scan=fwd32)
         out["scans-bv32"] = base.replace(forward_scan=fwd32, reverse_scan=rev32)
         out["scans-bv32-bf16"] = base.replace(forward_scan=fwd32, reverse_scan=rev32, state_dtype="input")
+        # session 20: KDA's policy-A backward at (1, 4096, 8) took 0.5445 ms where session 10's default took 0.4783.
+        # Under A the reverse scan runs alone; at 32 wide the one-wave rule splits it in 4 segments of 16 chunks
+        # there, where session 10's 64-wide tiles ran 8 segments of 8 (16 programs each)
+        out["rscan-bv64"] = base.replace(reverse_scan={"block_v": 64})
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:
