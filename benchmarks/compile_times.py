@@ -94,10 +94,7 @@ def _record(args) -> list[dict]:
     leaves = [inputs[n].clone().requires_grad_(True) for n in names]
     fn = getattr(rewy_tune, f"chunk_{args.op}")
     gate = {}
-    if args.gate_in_kernel:  # KDA/GDN2's in-kernel gate (g is then the raw input), its backward where --fused says
-        from rewy_tune.kernels.triton import vector_local
-
-        vector_local.FUSED_GATE_GRAD = args.fused_gate_grad
+    if args.gate_in_kernel:  # KDA/GDN2's in-kernel gate (g is then the raw input)
         gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(args.H, requires_grad=True),
                     dt_bias=torch.zeros(args.H * args.head_dim, requires_grad=True))
     o, _ = fn(*leaves, policy=args.policy, backend="triton", schedule=sched, **gate)
@@ -259,8 +256,6 @@ def main() -> None:
     ap.add_argument("--gate", action="store_true", help="what one GPU trial compiles: gate cases and warm-up")
     ap.add_argument("--gate-in-kernel", action="store_true",
                     help="KDA/GDN2: the op with FLA's in-kernel gate (use_gate_in_kernel, A_log, dt_bias)")
-    ap.add_argument("--fused-gate-grad", action="store_true",
-                    help="with --gate-in-kernel: the gate's backward in the consumer (vector_local.FUSED_GATE_GRAD)")
     ap.add_argument("--sass", default="", metavar="KERNELS",
                     help="comma-separated kernel names whose static SASS instruction mix is printed")
     ap.add_argument("--kernels", default="", metavar="REGEX",

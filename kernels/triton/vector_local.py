@@ -40,7 +40,7 @@ import triton.language as tl
 
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
-from .gate import gate_backward, parameter_grads, store_gate_grads
+from .gate import gate_backward
 from .local import _chunk_prologue, _output_like, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
@@ -252,13 +252,12 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
     dq, dk, dv, hd, dg, derase, dwrite, paths,
-    graw, A_log, dt_bias, dA_parts, db_parts, lower_bound,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
-    ONE_BETA: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER: tl.constexpr,
+    ONE_BETA: tl.constexpr,
 ):
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
@@ -496,15 +495,7 @@ def rewy_bwd_kernel_consumer_vector(
         b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * b_frob
         b_gb += tl.where(is_last[:, None], b_end[None, :], 0.0)
         # dg: Ḡ's reverse in-chunk cumsum per channel, formed here (this program holds the chunk's rows of this tile)
-        b_dgc = tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True)
-        if GATE:  # through the in-kernel gate's activation (gate.py): the raw input's dg, parts of dA_log, ddt_bias
-            # one part per (chunk, feature tile, head) / (chunk, head, channel): summed by the launcher
-            c_part = i_b * NT + i_t
-            store_gate_grads(graw, dg, p_rk, m_rk, b_dgc, o_k, m_k, i_h,
-                             dA_parts, (c_part * NK + i_k) * H + i_h, db_parts, (c_part * H + i_h) * K,
-                             A_log, dt_bias, lower_bound, K, BK, HAS_A, HAS_BIAS, LOWER)
-        else:
-            tl.store(dg + p_rk, b_dgc, mask=m_rk)
+        tl.store(dg + p_rk, tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True), mask=m_rk)
 
     if not ERASE_VEC:
         if ONE_BETA:  # KDA's one β: the write path joins the erase path (part 0 carries it)
@@ -547,7 +538,7 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                     intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1, chunk_ranges=None,
-                    dv_out=None, one_beta: bool = False, gate=None, graw=None, gate_grads: dict | None = None):
+                    dv_out=None, one_beta: bool = False):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
     programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
     chunk_ranges, dv_out: as ``consumer_tma.consumer_tma``'s (Schedule.consumer_ranges: one launch per chunk range,
@@ -557,9 +548,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
     [B,T,H,K] (the gate's gradient: the reverse in-chunk cumsum of Ḡ, the cumulative gate's adjoint); paths int32
     [B·H, NT, cdiv(K, BK)]: 1 centred, 2 sub-chunk. one_beta (KDA, erase and write one β tensor): d_erase is
-    the whole dβ and d_write None (no second [B,T,H] gradient for autograd to add). gate (`gate.GateActivation`),
-    graw (its raw input, [B,T,H,K]) and gate_grads (a dict): the in-kernel gate's backward in the dg store; dg is
-    then graw's gradient in graw's dtype, and gate_grads receives "A_log" and "dt_bias" (None where not given).
+    the whole dβ and d_write None (no second [B,T,H] gradient for autograd to add).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -585,17 +574,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     dv = output_buffer(dv_out, v, "dv_out")
     # H_< | D rows, one scratch per program of a chunk
     hd = torch.empty(k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
-    if gate is not None:
-        gate.check(graw)
-        if tuple(graw.shape) != (B, T, H, K) or not isinstance(gate_grads, dict):
-            raise ValueError(f"gate: pass graw [B,T,H,K]={(B, T, H, K)} (got {tuple(graw.shape)}) and a "
-                             "gate_grads dict")
-    dg = torch.empty(B, T, H, K, dtype=torch.float32 if gate is None else graw.dtype, device=q.device)
-    with_a = gate is not None and gate.A_log is not None
-    with_bias = gate is not None and gate.dt_bias is not None
-    dA_parts = torch.empty(B * NT, NK, H, dtype=torch.float32, device=q.device) if with_a else None
-    db_parts = torch.empty(B * NT, H, K, dtype=torch.float32, device=q.device) if with_bias else None
-    lower = gate is not None and gate.lower_bound is not None
+    dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     if one_beta and not (erase.dim() == 3 and write.dim() == 3 and erase.dtype == write.dtype):
         raise ValueError("one_beta: erase and write must be one [B,T,H] β (KDA), got "
                          f"{tuple(erase.shape)} {erase.dtype} and {tuple(write.shape)} {write.dtype}")
@@ -608,33 +587,21 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
         rewy_bwd_kernel_consumer_vector[(c1 - c0, B * H, k_split)](
             q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
             dq, dk, dv, hd, dg, derp, dwrite, paths,
-            graw if gate is not None else None, gate.A_log if with_a else None,
-            gate.dt_bias if with_bias else None, dA_parts, db_parts, float(gate.lower_bound) if lower else 0.0,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta,
-            GATE=gate is not None, HAS_A=with_a, HAS_BIAS=with_bias, LOWER=lower,
             num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)
-    if gate is not None:
-        gate_grads["A_log"], gate_grads["dt_bias"] = parameter_grads(gate, dA_parts, db_parts)
     return dq, dk, dv, dg, derase, dwrite, paths
 
 
 # --------------------------------------------------------------------------------------------------
 # The whole vector-gate backward
 # --------------------------------------------------------------------------------------------------
-
-# The in-kernel gate's backward inside the consumer's dg store (True), or `gate.gate_backward` after it (False: one
-# more fp32 [B,T,H,K] write and read per layer, the path the H200 ran in session 19). Off until the fused store has
-# run on a GPU (tests/kernels/test_triton_gate.py -m gpu) and been timed (benchmarks/model_check.py).
-FUSED_GATE_GRAD = False
-
-
 def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
                                 S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None, W=None,
                                 gate=None, one_beta=False, gate_grads: dict | None = None):
@@ -694,13 +661,10 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
 
     if gate is not None and not isinstance(gate_grads, dict):
         raise ValueError("gate_grads: the in-kernel gate's parameter gradients need a dict to go into")
-    fused = gate is not None and FUSED_GATE_GRAD
-    in_consumer = dict(gate=gate, graw=g, gate_grads=gate_grads) if fused else {}
 
     def consumer(*args, **kwargs):
         *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,
-                                        k_split=schedule.consumer_k_split, one_beta=one_beta, **in_consumer,
-                                        **kwargs)
+                                        k_split=schedule.consumer_k_split, one_beta=one_beta, **kwargs)
         if intra_paths is not None:
             intra_paths["flags"] = flags
         return grads
@@ -708,6 +672,6 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
     dq, dk, dv, dg, d_erase, d_write, dh0 = run_stages(
         q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state, schedule=schedule, S0=S0,
         R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate)
-    if gate is not None and not fused:  # dg is the activated gate's (fp32): through the activation on its own
+    if gate is not None:  # dg is the activated gate's (fp32): through the activation to g, A_log and dt_bias
         dg, gate_grads["A_log"], gate_grads["dt_bias"] = gate_backward(g, gate, dg)
     return dq, dk, dv, dg, d_erase, d_write, dh0

@@ -105,11 +105,9 @@ def _run(op, tensors, gate, backend, h0, dtype=None, policy="R"):
 
 
 @pytest.mark.parametrize("policy", ["R", "A"])
-@pytest.mark.parametrize("fused", [False, True], ids=["gate-kernel", "in-consumer"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("form", [FORMS[0], FORMS[2]], ids=[FORM_IDS[0], FORM_IDS[2]])
-def test_op_with_the_gate_in_kernel_matches_float64(op, form, fused, policy, monkeypatch):
-    monkeypatch.setattr(vector_local, "FUSED_GATE_GRAD", fused)
+def test_op_with_the_gate_in_kernel_matches_float64(op, form, policy):
     _check_gated_op(op, form, (1, 80, 2, 32, 32), torch.float32, "cpu", seed=5, policy=policy)  # a tail chunk
 
 
@@ -136,43 +134,6 @@ SMALL = Schedule(
     reverse_scan=StageConfig(64, 32, 4, 2), producer=StageConfig(32, 32, 4, 2),
     consumer_cfg=StageConfig(16, 32, 4, 2), cumsum=StageConfig(32, 32, 4, 1),
 )
-
-
-@pytest.mark.parametrize("schedule", [SMALL, SMALL.replace(consumer_k_split=2), SMALL.replace(consumer="separate"),
-                                      SMALL.replace(consumer_ranges=2)],
-                         ids=["joint", "k-split-2", "separate", "ranges-2"])
-@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
-def test_gate_grad_in_the_consumer_equals_the_gate_kernel(schedule, form, monkeypatch):
-    # FUSED_GATE_GRAD: the activation's backward in the consumer's dg store (per-(chunk, head) parts of dA_log and
-    # ddt_bias) gives what gate_backward gives after the store, to fp32 summation order; K = 48 in three 16-wide
-    # feature tiles, two chunks and a tail, KDA's one β, NaN-poisoned allocations
-    gen = torch.Generator().manual_seed(9)
-    B, T, H, K, V = 2, 100, 2, 48, 32
-    q, k, v, g, (beta,) = _op_inputs("kda", B, T, H, K, V, torch.float32, "cpu", gen)
-    g = g.to(torch.bfloat16)
-    A_log, dt_bias, lb = _params(H, K, form, gen)
-    gate = GateActivation(A_log, dt_bias, lb)
-    do, dht = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
-    h0 = torch.randn(B, H, K, V, generator=gen) * 0.1
-    scale = K ** -0.5
-    fwd = chunk_forward(q, k, v, activated_gate(g, A_log, dt_bias, lb), beta, beta, scale=scale, initial_state=h0,
-                        chunk_size=64)
-    out = {}
-    for fused in (False, True):
-        monkeypatch.setattr(vector_local, "FUSED_GATE_GRAD", fused)
-        grads = {}
-        with poison_allocations():
-            res = vector_local.rewy_backward_triton_vector(
-                q, k, v, g, beta, beta, fwd.A, do, dht, scale=scale, initial_state=h0, schedule=schedule, gate=gate,
-                gate_grads=grads, one_beta=True)
-        out[fused] = dict(zip(("dq", "dk", "dv", "dg", "dbeta", "dwrite", "dh0"), res), **grads)
-    for name, a in out[True].items():
-        b = out[False][name]
-        if a is None or b is None:
-            assert a is None and b is None, name
-            continue
-        assert a.dtype == b.dtype and not a.isnan().any(), name
-        assert rel_rms(a, b) <= (4e-3 if name == "dg" else 1e-5), (name, rel_rms(a, b))  # dg: bf16 rounding apart
 
 
 def test_bad_gate_arguments_are_named():
@@ -213,11 +174,9 @@ def test_gate_grads_and_scalar_gates_are_refused_clearly():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fused", [False, True], ids=["gate-kernel", "in-consumer"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("form", [FORMS[0], FORMS[2]], ids=[FORM_IDS[0], FORM_IDS[2]])
-def test_gpu_op_with_the_gate_in_kernel(op, form, fused, monkeypatch):
-    monkeypatch.setattr(vector_local, "FUSED_GATE_GRAD", fused)  # both, whichever is the default
+def test_gpu_op_with_the_gate_in_kernel(op, form):
     _check_gated_op(op, form, (1, 512, 4, 128, 128), torch.bfloat16, "cuda", seed=6)
 
 
