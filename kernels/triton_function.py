@@ -64,6 +64,10 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None)
 # GPU layer calls passed with it, and FLA's KDA model step saved 0.158 ms with it against 0.107-0.124 without (the
 # same scan kernel, 345 against 369 µs per four layers). A switch so that model_check and the tests can compare.
 V_FIRST_VECTOR = True
+# KDA/GDN2 under policy A: the same V-first scan, its h kept as it is (S0 a transposed view; the vector consumer reads
+# it in place, vector_local S0_VK). FLA's layers run that scan V-first while ours under A ran it K-first (session 20:
+# the step's forward lost about 5 µs per layer more than the bare op's). Off until its GPU tests have run.
+V_FIRST_SAVED_STATES = False
 
 
 def _v_first(state):
@@ -79,9 +83,9 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
     A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention. gate (a GateActivation): g is the
     raw gate input, activated by FLA's fused gate-and-cumsum kernel (its use_gate_in_kernel).
     Under policy R the state scan runs V-first (V_FIRST_VECTOR), as FLA's layers run it: in the KDA model step it
-    took 345 µs for the four layers' scans where K-first took 369 (session 19). Policy A keeps h for the backward,
-    which reads it K-first."""
-    v_first = V_FIRST_VECTOR and policy == "R"
+    took 345 µs for the four layers' scans where K-first took 369 (session 19). Under policy A so it does with
+    V_FIRST_SAVED_STATES, and S0 is then h's transposed view, which the vector consumer reads in place."""
+    v_first = V_FIRST_VECTOR if policy == "R" else V_FIRST_SAVED_STATES
     common = dict(scale=scale, initial_state=_v_first(initial_state) if v_first else initial_state,
                   output_final_state=output_final_state, chunk_size=chunk_size, disable_recompute=policy == "A",
                   state_v_first=v_first)
@@ -96,9 +100,10 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
 
         out = chunk_gdn2_fwd(q=q, k=k, v=v, g=g, b=erase, w_gate=write, **common)
     o, final_state, Aqk, Akk, w, v_new, h = out[0], out[1], out[3], out[4], out[5], out[9], out[10]
+    final_state = _v_first(final_state) if v_first else final_state
     if policy == "A":
-        return o, final_state, Akk, h, v_new, Aqk, w
-    return o, _v_first(final_state) if v_first else final_state, Akk, None, None, Aqk, None
+        return o, final_state, Akk, h.transpose(-1, -2) if v_first else h, v_new, Aqk, w
+    return o, final_state, Akk, None, None, Aqk, None
 
 
 def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, output_final_state):
@@ -188,6 +193,8 @@ class RewyTritonFunction(torch.autograd.Function):
             fwd = chunk_forward(q, k, v, g_act, erase, write, scale=scale, initial_state=initial_state,
                                 chunk_size=chunk_size, save_states=policy == "A")
             o, final_state, A, S0, R, Aqk, W = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R, fwd.Aqk, fwd.W
+            if S0 is not None and vector_gate and V_FIRST_SAVED_STATES:  # the layout FLA's V-first h has on CUDA
+                S0 = S0.transpose(-1, -2).contiguous().transpose(-1, -2)
         Aqk = Aqk if keep_aqk else None  # saved only when the schedule's dv_local reads it
         W = W if schedule.w_source == "forward" else None  # policy A only (None under R)
         ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias)

@@ -131,7 +131,7 @@ def test_schedule_overrides_reach_the_routed_lookup_and_are_undone(mc):
     assert mc.parse_args(["--models", "kda"]).overrides == {}
 
 
-def test_k_first_vector_switches_the_layout_for_the_check_only(mc):
+def test_layout_options_switch_the_state_layout_for_the_check_only(mc):
     from rewy_tune.kernels import triton_function
 
     assert triton_function.V_FIRST_VECTOR  # the default since session 20
@@ -140,6 +140,10 @@ def test_k_first_vector_switches_the_layout_for_the_check_only(mc):
     assert triton_function.V_FIRST_VECTOR
     with mc.layout_switch(mc.parse_args([])):
         assert triton_function.V_FIRST_VECTOR
+    assert not triton_function.V_FIRST_SAVED_STATES  # off until its GPU tests have run
+    with mc.layout_switch(mc.parse_args(["--v-first-saved"])):
+        assert triton_function.V_FIRST_SAVED_STATES and triton_function.V_FIRST_VECTOR
+    assert not triton_function.V_FIRST_SAVED_STATES
 
 
 @pytest.fixture()

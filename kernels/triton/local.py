@@ -347,6 +347,12 @@ def rewy_bwd_kernel_row_parts(derp, dwp, dgp, derase, dwrite, dg, n_tok, KSPLIT:
         tl.store(dg + o, b_g, mask=m)
 
 
+def is_v_first(S0: torch.Tensor) -> bool:
+    """S0 [B,NT,H,K,V] as a transposed view of [B,NT,H,V,K] storage (FLA's state_v_first h, which policy A keeps):
+    the vector consumer reads that layout as it is (vector_local, S0_VK); every other consumer takes S0 K-first."""
+    return S0.dim() == 5 and S0.shape[-1] > 1 and S0.stride(-2) == 1 and S0.transpose(-1, -2).is_contiguous()
+
+
 def checked_ranges(chunk_ranges, NT: int):
     """A consumer launcher's chunk ranges (c0, c1), as given (None: one range over every chunk), each checked to be
     a range of the NT chunks that none before it covered; after the last, that they covered every chunk."""

@@ -41,7 +41,8 @@ import triton.language as tl
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
 from .gate import gate_backward
-from .local import _chunk_prologue, _output_like, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts
+from .local import (_chunk_prologue, _output_like, checked_ranges, is_v_first, output_buffer, programs_per_chunk,
+                    sum_row_parts)
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
@@ -257,8 +258,9 @@ def rewy_bwd_kernel_consumer_vector(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
-    ONE_BETA: tl.constexpr,
+    ONE_BETA: tl.constexpr, S0_VK: tl.constexpr,
 ):
+    # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
     # alone; a scalar erase path (a sum over features) goes to fp32 parts that the launcher sums.
@@ -464,7 +466,10 @@ def rewy_bwd_kernel_consumer_vector(
                 b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
             p_s = s_off + o_k[None, :] * V + o_v[:, None]
             m_s = m_v[:, None] & m_k[None, :]
-            b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
+            if S0_VK:
+                b_s0t = tl.load(S0 + s_off + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+            else:
+                b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
             b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
             b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=0)
             b_pe += mm(b_p.to(DT), b_s0t.to(DT), PREC)
@@ -564,6 +569,8 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     for name, t in (("S0", S0), ("dS1", dS1)):
         if tuple(t.shape) != (B, NT, H, K, V):
             raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
+    s0_vk = is_v_first(S0)
+    S0, dS1 = (S0 if s0_vk else S0.contiguous()), dS1.contiguous()
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
@@ -591,7 +598,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
-            IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta,
+            IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
             num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:

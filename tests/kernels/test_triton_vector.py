@@ -102,13 +102,15 @@ def oracle(x, C=64, device="cpu"):
     return dict(dq=gr.dq, dk=gr.dk, dv=gr.dv, dg=gr.dg, d_erase=gr.d_erase, d_write=gr.d_write, dh0=gr.dh0)
 
 
-def run_triton(x, schedule, policy="R", paths=None):
-    """Forward through the torch reference in fp32 (as the CPU autograd Function does), then the Triton backward."""
+def run_triton(x, schedule, policy="R", paths=None, s0_v_first=False):
+    """Forward through the torch reference in fp32 (as the CPU autograd Function does), then the Triton backward.
+    s0_v_first (policy A): S0 passed as FLA's state_v_first h gives it, a transposed view of [V, K] storage."""
     scale = x["q"].shape[-1] ** -0.5
     f = {n: (t.float() if t is not None else None) for n, t in x.items()}
     fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
                         chunk_size=schedule.chunk_size, save_states=policy == "A")
-    kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
+    S0 = fwd.S0.transpose(-1, -2).contiguous().transpose(-1, -2) if s0_v_first else fwd.S0
+    kw = dict(S0=S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
     if policy == "A" and schedule.w_source == "forward":  # as the autograd Function passes it
         kw["W"] = fwd.W.to(x["q"].dtype)
     if schedule.dv_local_source == "forward":
@@ -270,6 +272,49 @@ def test_consumer_ranges(op, source, monkeypatch):
     assert launches == [(0, 4)]
     assert_same_bits(ranged, one, ctx=f"{op} consumer ranges {source}")
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges {source}")
+
+
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_v_first_saved_states_read_in_place(op, consumer, monkeypatch):
+    # Policy A with FLA's V-first h (triton_function.V_FIRST_SAVED_STATES): S0 arrives as a transposed view of
+    # [V, K] storage and reaches the consumer as it is (S0_VK, no copy); the same bits as a K-first S0, and the
+    # gate (K != V so that a swapped index shows, several feature and value tiles, a 36-row tail, NaN-poisoned)
+    from rewy_tune.kernels.triton import vector_local
+    from rewy_tune.kernels.triton.local import is_v_first
+
+    seen = []
+    real = vector_local.rewy_bwd_kernel_consumer_vector
+    i_s0 = real.arg_names.index("S0")
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["S0_VK"], is_v_first(args[i_s0])))
+                return real[grid](*args, **kw)
+            return launch
+
+    x = make_inputs(op, 1, 100, 2, 32, 48, seed=41)
+    base = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16, "block_v": 16}, forward_scan={"block_k": 32},
+                        reverse_scan={"block_k": 32})
+    k_first = run_triton(x, base, "A")
+    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    with poison_allocations():
+        v_first = run_triton(x, base, "A", s0_v_first=True)
+    assert seen == [(True, True)]
+    run_triton(x, base, "A")
+    assert seen[1] == (False, False)
+    assert_same_bits(v_first, k_first, ctx=f"{op} {consumer} V-first S0")
+    assert_gates(v_first, oracle(x), ctx=f"{op} {consumer} V-first S0")
+
+
+def test_other_s0_layouts_are_copied_k_first():
+    from rewy_tune.kernels.triton.local import is_v_first
+
+    s0 = torch.randn(1, 2, 3, 8, 16)
+    assert not is_v_first(s0) and is_v_first(s0.transpose(-1, -2).contiguous().transpose(-1, -2))
+    assert not is_v_first(s0[..., ::2])  # strided: neither layout, the consumer takes a K-first copy
+    assert not is_v_first(torch.randn(1, 2, 3, 8, 1))  # V = 1: both layouts alike, read K-first
 
 
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
@@ -487,6 +532,33 @@ def test_public_op_backend_triton(op, policy):
     got, _ = _public_op_grads(op, x, torch.float32, "triton", policy)
     ref, _ = _public_op_grads(op, x, torch.float64, "torch", policy)
     _assert_public_op_gates(got, ref)
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_public_op_v_first_saved_states(op, monkeypatch):
+    # V_FIRST_SAVED_STATES on the CPU: the reference forward's S0 takes the layout FLA's V-first h has on CUDA and
+    # reaches the consumer as it is (S0_VK); the gradients are the K-first path's bits
+    from rewy_tune.kernels import triton_function
+    from rewy_tune.kernels.triton import vector_local
+
+    layouts = []
+    real = vector_local.rewy_bwd_kernel_consumer_vector
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                layouts.append(kw["S0_VK"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    x = make_inputs(op, 1, 100, 2, 32, 48, seed=53)
+    k_first, _ = _public_op_grads(op, x, torch.float32, "triton", "A")
+    monkeypatch.setattr(triton_function, "V_FIRST_SAVED_STATES", True)
+    v_first, _ = _public_op_grads(op, x, torch.float32, "triton", "A")
+    assert layouts == [False, True]
+    for n, t in v_first.items():
+        assert torch.isfinite(t).all() and torch.equal(t, k_first[n]), (op, n)
 
 
 def _public_op_grads(op, x, dtype, backend, policy, schedule=None):
@@ -741,17 +813,22 @@ def test_gpu_run_twice_bitwise(op, consumer):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("saved", ["k-first", "v-first"])
 @pytest.mark.parametrize("w_source", ["recompute", "forward"])
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_dv_local_source_forward_fla(op, policy, w_source):
+def test_gpu_dv_local_source_forward_fla(op, policy, w_source, saved, monkeypatch):
     # bf16 through fla-core's own forward, whose Aqk (out[3]) dv_local then reads: first FLA's Aqk against the
     # reference forward's (the convention, lower triangle only: FLA leaves j > i unwritten), then the gradients of
     # the whole autograd Function against the float64 oracle. w_source "forward" (policy A): FLA's w (out[5])
-    # replaces the backward's recompute stage.
-    if policy == "R" and w_source == "forward":
-        pytest.skip("w_source is read under policy A only")
+    # replaces the backward's recompute stage. saved "v-first" (policy A): FLA's scan V-first, its h kept as it is
+    # and read in place by the consumer (triton_function.V_FIRST_SAVED_STATES), initial and final state transposed.
+    if policy == "R" and (w_source == "forward" or saved == "v-first"):
+        pytest.skip("w_source and the saved states' layout are read under policy A only")
+    from rewy_tune.kernels import triton_function
     from rewy_tune.kernels.triton_function import RewyTritonFunction, _fla_forward_vector
+
+    monkeypatch.setattr(triton_function, "V_FIRST_SAVED_STATES", saved == "v-first")
 
     x = make_inputs(op, 1, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", seed=97, gate_div=16.0)
     scale = 128 ** -0.5
