@@ -241,30 +241,36 @@ def test_one_beta_needs_one_scalar_beta():
                                     scale=1.0, initial_state=None, schedule=BASE, one_beta=True)
 
 
+def spy_consumer_launches(monkeypatch, record):
+    """The vector consumer kernel behind a spy: record(args, kw, grid) at each launch, then the real launch.
+    Returns the kernel's argument names (to find a positional argument by name)."""
+    from rewy_tune.kernels.triton import vector_local
+
+    real = vector_local.rewy_bwd_kernel_consumer_vector
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                record(args, kw, grid)
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    return real.arg_names
+
+
 @pytest.mark.parametrize("source", ["recompute", "forward"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_consumer_ranges(op, source, monkeypatch):
     # Schedule.consumer_ranges on the joint vector consumer (policy A: the reverse scan runs last and alone): one
     # launch per chunk range after the scan's, dv written over dv_local's buffer; the same bits as one launch
     # (4 chunks of 32, a 4-row tail), the gate; the separate consumer keeps one launch
-    from rewy_tune.kernels.triton import vector_local
-
-    launches = []
-    real = vector_local.rewy_bwd_kernel_consumer_vector
-
-    c_off = real.arg_names.index("c_off")
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launches.append((args[c_off], grid[0]))  # (c_off, chunks)
-                return real[grid](*args, **kw)
-            return launch
-
     x = make_inputs(op, 1, 100, 2, 32, 32, seed=19)
     base = BASE.replace(chunk_size=32, w_source="forward", dv_local_source=source)
     one = run_triton(x, base, "A")
-    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    launches = []  # (c_off, chunks)
+    names = spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append((args[names.index("c_off")],
+                                                                                       grid[0])))
     ranged = run_triton(x, base.replace(consumer_ranges=2), "A")
     assert launches == [(2, 2), (0, 2)]
     launches.clear()
@@ -280,25 +286,15 @@ def test_v_first_saved_states_read_in_place(op, consumer, monkeypatch):
     # Policy A with FLA's V-first h (triton_function.V_FIRST_SAVED_STATES): S0 arrives as a transposed view of
     # [V, K] storage and reaches the consumer as it is (S0_VK, no copy); the same bits as a K-first S0, and the
     # gate (K != V so that a swapped index shows, several feature and value tiles, a 36-row tail, NaN-poisoned)
-    from rewy_tune.kernels.triton import vector_local
     from rewy_tune.kernels.triton.local import is_v_first
-
-    seen = []
-    real = vector_local.rewy_bwd_kernel_consumer_vector
-    i_s0 = real.arg_names.index("S0")
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["S0_VK"], is_v_first(args[i_s0])))
-                return real[grid](*args, **kw)
-            return launch
 
     x = make_inputs(op, 1, 100, 2, 32, 48, seed=41)
     base = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16, "block_v": 16}, forward_scan={"block_k": 32},
                         reverse_scan={"block_k": 32})
     k_first = run_triton(x, base, "A")
-    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    seen = []  # (S0_VK, S0 as the kernel got it is V-first)
+    names = spy_consumer_launches(monkeypatch, lambda args, kw, grid: seen.append(
+        (kw["S0_VK"], is_v_first(args[names.index("S0")]))))
     with poison_allocations():
         v_first = run_triton(x, base, "A", s0_v_first=True)
     assert seen == [(True, True)]
@@ -539,19 +535,9 @@ def test_public_op_v_first_saved_states(op, monkeypatch):
     # V_FIRST_SAVED_STATES on the CPU: the reference forward's S0 takes the layout FLA's V-first h has on CUDA and
     # reaches the consumer as it is (S0_VK); the gradients are the K-first path's bits
     from rewy_tune.kernels import triton_function
-    from rewy_tune.kernels.triton import vector_local
 
     layouts = []
-    real = vector_local.rewy_bwd_kernel_consumer_vector
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                layouts.append(kw["S0_VK"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    spy_consumer_launches(monkeypatch, lambda args, kw, grid: layouts.append(kw["S0_VK"]))
     x = make_inputs(op, 1, 100, 2, 32, 48, seed=53)
     k_first, _ = _public_op_grads(op, x, torch.float32, "triton", "A")
     monkeypatch.setattr(triton_function, "V_FIRST_SAVED_STATES", True)
