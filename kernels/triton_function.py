@@ -192,7 +192,11 @@ class RewyTritonFunction(torch.autograd.Function):
             g_act = g if gate is None else activated_gate(g, A_log, dt_bias, lower_bound)
             fwd = chunk_forward(q, k, v, g_act, erase, write, scale=scale, initial_state=initial_state,
                                 chunk_size=chunk_size, save_states=policy == "A")
-            o, final_state, A, S0, R, Aqk, W = fwd.o, fwd.final_state, fwd.A, fwd.S0, fwd.R, fwd.Aqk, fwd.W
+            # kept in the input dtype, as fla-core's forward keeps A, h, v_new, w and Aqk on CUDA: the interpreter
+            # tests and the sm_90 compiles of benchmarks/compile_times.py then see the GPU's argument types
+            A, S0, R, Aqk, W = (t.to(q.dtype) if t is not None else None
+                                for t in (fwd.A, fwd.S0, fwd.R, fwd.Aqk, fwd.W))
+            o, final_state = fwd.o, fwd.final_state
             if S0 is not None and vector_gate and V_FIRST_SAVED_STATES:  # the layout FLA's V-first h has on CUDA
                 S0 = S0.transpose(-1, -2).contiguous().transpose(-1, -2)
         Aqk = Aqk if keep_aqk else None  # saved only when the schedule's dv_local reads it

@@ -547,6 +547,21 @@ def test_public_op_v_first_saved_states(op, monkeypatch):
         assert torch.isfinite(t).all() and torch.equal(t, k_first[n]), (op, n)
 
 
+@pytest.mark.parametrize("policy", ["R", "A"])
+def test_cpu_forward_keeps_the_input_dtype_as_flas_does(policy, monkeypatch):
+    # On CUDA fla-core's forward keeps A, h (S0), v_new (R) and Aqk in the input dtype; the CPU path casts the
+    # reference forward's to it, so the interpreter and compile_times.py's sm_90 compiles see the GPU's argument types
+    # (before session 20 they saw fp32 there, and the compiled consumer was not the one the GPU runs)
+    seen = {}
+    names = spy_consumer_launches(monkeypatch, lambda args, kw, grid: seen.update(
+        {n: args[names.index(n)].dtype for n in ("A", "S0", "R") if args[names.index(n)] is not None}))
+    x = make_inputs("kda", 1, 64, 1, 32, 32, seed=5)
+    _public_op_grads("kda", x, torch.bfloat16, "triton", policy)
+    assert seen["A"] == torch.bfloat16
+    if policy == "A":
+        assert seen["S0"] == seen["R"] == torch.bfloat16
+
+
 def _public_op_grads(op, x, dtype, backend, policy, schedule=None):
     """Every input's gradient through rewy_tune.chunk_kda / chunk_gdn2 (loss ⟨o, dO⟩ + ⟨h_T, dh_T⟩) in `dtype`, and
     the shapes of the tensors its autograd Function saved."""
