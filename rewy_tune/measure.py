@@ -169,13 +169,18 @@ class CallSide(_Side):
         return self.fn(leaves)
 
 
-def time_captured(sides: list[_Side], rounds: int = MIN_ROUNDS) -> list[SideTiming]:
-    """Backward and forward + backward samples of sides already captured (`capture()`), interleaved."""
+def _check_rounds(rounds: int) -> None:
     if rounds < MIN_ROUNDS:
         raise ValueError(f"rounds: the protocol needs at least {MIN_ROUNDS} observations, got {rounds}")
+
+
+def time_captured(sides: list[_Side], rounds: int = MIN_ROUNDS, fwd_bwd: bool = True) -> list[SideTiming]:
+    """Backward (and with fwd_bwd, forward + backward) samples of sides already captured (`capture()`),
+    interleaved."""
+    _check_rounds(rounds)
     backward = _time_graphs([s.bwd_graph for s in sides], rounds)
-    fwd_bwd = _time_graphs([s.fb_graph for s in sides], rounds)
-    return [SideTiming(backward_ms=b, fwd_bwd_ms=fb) for b, fb in zip(backward, fwd_bwd)]
+    both = _time_graphs([s.fb_graph for s in sides], rounds) if fwd_bwd else [[] for _ in sides]
+    return [SideTiming(backward_ms=b, fwd_bwd_ms=fb) for b, fb in zip(backward, both)]
 
 
 def run_once(op: str, fn: OpFn, shape: tuple[int, int, int], *, K: int = 128, V: int = 128,
@@ -210,21 +215,16 @@ def measure_shape(op: str, ours: OpFn, fla: OpFn | None, shape: tuple[int, int, 
     extras=False measures boundary B only (the backward graphs): no FB graphs, eager timings or peak memory,
     which the tuner does not keep (its trials store the backward samples). They were most of a trial's
     measuring time: each costs host-side passes of the autograd graph on both sides."""
-    if rounds < MIN_ROUNDS:
-        raise ValueError(f"rounds: the protocol needs at least {MIN_ROUNDS} observations, got {rounds}")
+    _check_rounds(rounds)  # before the captures, which are the slow part
     inputs = bench_inputs(op, shape, K, V, device, seed)
     sides = [_Side(op, ours, inputs)] + ([_Side(op, fla, inputs)] if fla is not None else [])
     for side in sides:
         side.capture(fwd_bwd=extras)
-    backward = _time_graphs([s.bwd_graph for s in sides], rounds)
-    fwd_bwd = _time_graphs([s.fb_graph for s in sides], rounds) if extras else [[] for _ in sides]
-    timings = []
-    for i, side in enumerate(sides):
-        t = SideTiming(backward_ms=backward[i], fwd_bwd_ms=fwd_bwd[i])
-        if extras:
+    timings = time_captured(sides, rounds, fwd_bwd=extras)
+    if extras:
+        for side, t in zip(sides, timings):
             t.eager_ms = [side.eager_ms() for _ in range(10)]
             t.peak_backward_mib = side.peak_backward_mib()
-        timings.append(t)
     fla_timing = timings[1] if fla is not None else SideTiming(backward_ms=[math.nan])
     return ShapeResult(shape=shape, K=K, V=V, ours=timings[0], fla=fla_timing)
 
