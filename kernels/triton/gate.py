@@ -100,24 +100,6 @@ def activation_grad(x, a, bias, dy, lower_bound, HAS_BIAS: tl.constexpr, LOWER: 
     return dx, dA
 
 
-@triton.jit
-def store_gate_grads(g, dx, p, m, b_dy, o_k, m_k, i_h, dA_parts, dA_at, db_parts, db_at, A_log, dt_bias,
-                     lower_bound, K: tl.constexpr, BK: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     LOWER: tl.constexpr):
-    """One [rows, BK] tile of head i_h through the activation's backward: dx at p (the raw input g's gradient for
-    b_dy, the activated gate's), this tile's sum of A_log's terms at dA_parts + dA_at and of its columns at
-    db_parts + db_at + o_k (the part buffers are None without A_log / dt_bias)."""
-    b_x = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
-    b_a, b_b = gate_params(A_log, dt_bias, i_h, o_k, m_k, K, BK, HAS_A, HAS_BIAS)
-    b_dx, b_dA = activation_grad(b_x, b_a, b_b, b_dy, lower_bound, HAS_BIAS, LOWER)
-    b_dx = tl.where(m, b_dx, 0.0)
-    tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
-    if HAS_A:
-        tl.store(dA_parts + dA_at, tl.sum(tl.sum(tl.where(m, b_dA, 0.0), axis=1), axis=0))
-    if HAS_BIAS:
-        tl.store(db_parts + db_at + o_k, tl.sum(b_dx, axis=0), mask=m_k)
-
-
 @triton.jit(do_not_specialize=["N"])
 def rewy_gate_backward_kernel(
     g, A_log, dt_bias, dy, dx, dA_parts, db_parts, N, lower_bound,
@@ -132,19 +114,15 @@ def rewy_gate_backward_kernel(
     m = (rows < N)[:, None] & m_k[None, :]
     p = (rows.to(tl.int64)[:, None] * H + i_h) * K + o_k[None, :]
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
-    store_gate_grads(g, dx, p, m, b_dy, o_k, m_k, i_h, dA_parts, i_n * H + i_h, db_parts, (i_n * H + i_h) * K,
-                     A_log, dt_bias, lower_bound, K, BK, HAS_A, HAS_BIAS, LOWER)
-
-
-def parameter_grads(act: GateActivation, dA_parts: torch.Tensor | None, db_parts: torch.Tensor | None):
-    """(dA_log, ddt_bias) in the parameters' dtypes (None where not given) from fp32 per-program parts whose
-    trailing dims are [H] (A_log) and [H, K] (dt_bias)."""
-    dA_log = ddt_bias = None
-    if dA_parts is not None:
-        dA_log = dA_parts.reshape(-1, act.A_log.numel()).sum(0).reshape(act.A_log.shape).to(act.A_log.dtype)
-    if db_parts is not None:
-        ddt_bias = db_parts.reshape(-1, act.dt_bias.numel()).sum(0).reshape(act.dt_bias.shape).to(act.dt_bias.dtype)
-    return dA_log, ddt_bias
+    b_x = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
+    b_a, b_b = gate_params(A_log, dt_bias, i_h, o_k, m_k, K, BK, HAS_A, HAS_BIAS)
+    b_dx, b_dA = activation_grad(b_x, b_a, b_b, b_dy, lower_bound, HAS_BIAS, LOWER)
+    b_dx = tl.where(m, b_dx, 0.0)
+    tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
+    if HAS_A:  # this block's term of dA_log[h]
+        tl.store(dA_parts + i_n * H + i_h, tl.sum(tl.sum(tl.where(m, b_dA, 0.0), axis=1), axis=0))
+    if HAS_BIAS:  # this block's column sums: its term of ddt_bias[h, :]
+        tl.store(db_parts + (i_n * H + i_h) * K + o_k, tl.sum(b_dx, axis=0), mask=m_k)
 
 
 def gate_backward(g: torch.Tensor, act: GateActivation, dy: torch.Tensor, *, num_warps: int = 4):
@@ -167,4 +145,7 @@ def gate_backward(g: torch.Tensor, act: GateActivation, dy: torch.Tensor, *, num
         H=H, K=K, BK=triton.next_power_of_2(K), BT=GATE_BLOCK_T,
         HAS_A=act.A_log is not None, HAS_BIAS=act.dt_bias is not None, LOWER=act.lower_bound is not None,
         num_warps=num_warps)
-    return (dx, *parameter_grads(act, dA, db))
+    # one sum over the blocks' parts (deterministic, no atomics), in the parameters' dtypes
+    dA_log = dA.sum(0).reshape(act.A_log.shape).to(act.A_log.dtype) if dA is not None else None
+    ddt_bias = db.reshape(NB, -1).sum(0).reshape(act.dt_bias.shape).to(act.dt_bias.dtype) if db is not None else None
+    return dx, dA_log, ddt_bias
