@@ -709,10 +709,10 @@ def operator_as_called(kind: str, model, ids, harness: "Harness", args) -> dict:
                fla_backward_ms=fla.median, ours_backward_ms=ours.median,
                expected_step_saving_ms=args.layers * (fla_fb - ours_fb),
                samples=dict(fla=dataclasses.asdict(fla), ours=dataclasses.asdict(ours)))
-    print(f"[operator as called] {kind}, the layer's own call ({', '.join(f'{k}={v}' for k, v in flags.items() if v not in (None, False))}): "
-          f"forward+backward FLA {fla_fb:.4f} ms, ours (policy {args.policy}) {ours_fb:.4f} ms; backward "
-          f"{fla.median:.4f} / {ours.median:.4f} ms; {args.layers} layers save {out['expected_step_saving_ms']:+.3f} ms a step",
-          flush=True)
+    passed = ", ".join(f"{k}={v}" for k, v in flags.items() if v not in (None, False))
+    print(f"[operator as called] {kind}, the layer's own call ({passed}): forward+backward FLA {fla_fb:.4f} ms, "
+          f"ours (policy {args.policy}) {ours_fb:.4f} ms; backward {fla.median:.4f} / {ours.median:.4f} ms; "
+          f"{args.layers} layers save {out['expected_step_saving_ms']:+.3f} ms a step", flush=True)
     return out
 
 

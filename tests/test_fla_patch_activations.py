@@ -1,9 +1,9 @@
 """`enable()` on the calls FLA's layers make (issue 6): in-kernel q/k l2norm, gate activation (A_log, dt_bias,
 lower_bound), beta sigmoid (allow_neg_eigval) and the V-first state layout are applied outside the op (KDA's and
-GDN2's gate inside it: `ops.chunk_kda(use_gate_in_kernel=True)`) and the call is routed through ReWY. Output, final state and every input gradient (A_log, dt_bias and the initial state
-included) are checked against a float64 reference: FLA's own torch gate functions (`naive_kda_gate`,
-`naive_kda_lowerbound_gate`, `naive_gdn_gate`), the documented l2norm and sigmoid, and the token recurrence,
-with the thresholds of `rewy_tune.gates`.
+GDN2's gate inside it: `ops.chunk_kda(use_gate_in_kernel=True)`) and the call is routed through ReWY. Output, final
+state and every input gradient (A_log, dt_bias and the initial state included) are checked against a float64
+reference: FLA's own torch gate functions (`naive_kda_gate`, `naive_kda_lowerbound_gate`, `naive_gdn_gate`), the
+documented l2norm and sigmoid, and the token recurrence, with the thresholds of `rewy_tune.gates`.
 
 CPU: the routed ReWY backward runs on the Triton interpreter (the test lifts the CUDA-only check and admits KDA
 and GDN2, whose Triton backward is not GPU-verified yet). GPU (``-m gpu``): the same calls on CUDA, where the
