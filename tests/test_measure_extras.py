@@ -72,3 +72,15 @@ def test_the_trial_worker_measures_without_extras(monkeypatch):
                schedule=Schedule().to_dict())
     out = trial_worker._measure(msg)
     assert out["status"] == "ok" and seen["extras"] is False and out["data"]["ours_ms"] == [1.0] * 30
+
+
+def test_fewer_rounds_than_the_protocol_are_refused_before_any_capture(monkeypatch):
+    import pytest
+
+    StubSide.made.clear()
+    monkeypatch.setattr(measure, "_Side", StubSide)
+    with pytest.raises(ValueError, match="rounds: the protocol needs at least 30 observations, got 29"):
+        measure.measure_shape("gdn", None, None, (1, 64, 1), rounds=29, device="cpu")
+    assert StubSide.made == []  # refused before the inputs were captured
+    with pytest.raises(ValueError, match="rounds: the protocol needs at least 30 observations, got 5"):
+        measure.time_captured([], rounds=5)
