@@ -74,7 +74,7 @@ def _record(args) -> list[dict]:
             if name.startswith("rewy_") and name.endswith("_kernel") or name.startswith("rewy_bwd_kernel"):
                 setattr(mod, name, Recorder(m, name, obj))
     sched = Schedule.from_json(open(args.schedule).read()) if args.schedule else \
-        default_schedule(args.op, (9, 0), args.head_dim, args.head_dim, args.dtype)
+        default_schedule(args.op, (9, 0), args.head_dim, args.head_dim, args.dtype, args.policy)
     if args.gate:
         from dataclasses import replace
 

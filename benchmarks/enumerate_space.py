@@ -70,7 +70,7 @@ def main() -> None:
     fla_baseline.bypass_hopper_guard()
     shape = tuple(int(x) for x in args.shape.split(","))
     cc = torch.cuda.get_device_capability()
-    base = default_schedule(cc, K=128, V=128, op=args.op, dtype="bf16")
+    base = default_schedule(cc, K=128, V=128, op=args.op, dtype="bf16", policy=args.policy)
     space = SPACES["scalar"]
     names = list(space)
     combos = [dict(zip(names, values)) for values in itertools.product(*space.values())]

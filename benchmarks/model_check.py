@@ -207,7 +207,8 @@ def schedule_overrides(args) -> dict:
 
     overrides = bench.parse_overrides(args.set)
     for kind in args.models if overrides else ():
-        bench.apply_overrides(default_schedule((9, 0), K=args.head_dim, V=int(args.head_dim * args.expand_v), op=kind),
+        bench.apply_overrides(default_schedule((9, 0), K=args.head_dim, V=int(args.head_dim * args.expand_v), op=kind,
+                                               policy=args.policy),
                               overrides)
     return overrides
 

@@ -208,7 +208,8 @@ def main():
     ops = OPS if args.op == "all" else (args.op,)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     cc = torch.cuda.get_device_capability()
-    plan = {op: variants_for(op, bench.apply_overrides(default_schedule(cc, K=128, V=128, op=op), overrides))
+    plan = {op: variants_for(op, bench.apply_overrides(default_schedule(cc, K=128, V=128, op=op, policy=args.policy),
+                                                          overrides))
             for op in ops}
     if args.variants:
         keep = {"default", *args.variants.split(",")}

@@ -75,7 +75,7 @@ def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16),
 
     if spec == "default":
         cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        return default_schedule(op, cc, K, V)
+        return default_schedule(op, cc, K, V, policy=policy)
     if spec == "db":
         return _stored_winner(op, policy, shape, K, V)
     path = Path(spec)

@@ -52,12 +52,13 @@ def op_of(g: torch.Tensor | None, erase: torch.Tensor) -> str:
     return "gdn2" if erase.dim() == 4 else "kda"
 
 
-def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None) -> Schedule:
+def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None, policy: str | None = None
+                         ) -> Schedule:
     from rewy_tune.problem import dtype_label
     from rewy_tune.search_spaces import default_schedule
 
     cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype))
+    return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype), policy=policy)
 
 
 # KDA/GDN2 under policy R: FLA's forward state scan V-first (as FLA's layers call it). On since session 20: the KDA/GDN2
@@ -157,7 +158,7 @@ class RewyTritonFunction(torch.autograd.Function):
         K, V = q.shape[-1], v.shape[-1]
         op = op_of(g, erase)
         vector_gate = op in ("kda", "gdn2")
-        schedule = schedule if schedule is not None else default_schedule_for(q, K, V, op)
+        schedule = schedule if schedule is not None else default_schedule_for(q, K, V, op, policy)
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
         if schedule.chunk_size != chunk_size:

@@ -262,10 +262,10 @@ def _resolve(bucket: Bucket, device: Device, environment: Environment, fp: str, 
         d = log_distance(w.bucket, bucket)
         return s, (f"same-cc: winner #{w.id} of {w.bucket.label} from {w.gpu_name} (fingerprint {w.fingerprint}, "
                    f"compute capability {cc}, log distance {d:g}){suffix}"), w.speedup
-    generic = default_schedule(None, K=bucket.K, V=bucket.V, op=bucket.op, dtype=bucket.dtype)
+    generic = default_schedule(None, K=bucket.K, V=bucket.V, op=bucket.op, dtype=bucket.dtype, policy=bucket.policy)
     if not device.is_cpu and device.compute_capability != (0, 0):
         specific = default_schedule(device.compute_capability, K=bucket.K, V=bucket.V, op=bucket.op,
-                                    dtype=bucket.dtype)
+                                    dtype=bucket.dtype, policy=bucket.policy)
         if specific != generic:
             return specific, f"default: built-in schedule for compute capability {cc}{suffix}", None
     return generic, f"generic: built-in generic schedule (no tuned winner for {bucket.label}){suffix}", None

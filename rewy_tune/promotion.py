@@ -100,7 +100,7 @@ def promote(campaign, st, worker) -> PromotionResult:
     if current_schedule is not None:
         incumbent_schedule, incumbent_name = current_schedule, "current winner"
     else:
-        incumbent_schedule = campaign.default_schedule(st.op).to_dict()
+        incumbent_schedule = campaign.default_schedule(st.op, st.policy).to_dict()
         incumbent_name = "built-in default"
     incumbent = next((c for c in contenders if c.schedule == incumbent_schedule), None)
     if incumbent is None:

@@ -56,14 +56,14 @@ def _call(fn, **kwargs):
 
 
 def default_schedule(op: str, compute_capability: tuple[int, int] | None, K: int, V: int,
-                     dtype: str | None = None) -> Schedule:
-    """The search space's default for this compute capability and input dtype (None: 16-bit), else a generic
-    one that covers K and V."""
+                     dtype: str | None = None, policy: str | None = None) -> Schedule:
+    """The search space's default for this compute capability, input dtype (None: 16-bit) and policy (None: R's),
+    else a generic one that covers K and V."""
     ss = _search_spaces()
     if ss is not None and hasattr(ss, "default_schedule"):
         try:
             cc = compute_capability if compute_capability not in (None, (0, 0)) else None
-            sched = _call(ss.default_schedule, compute_capability=cc, K=K, V=V, op=op, dtype=dtype)
+            sched = _call(ss.default_schedule, compute_capability=cc, K=K, V=V, op=op, dtype=dtype, policy=policy)
             sched.validate_for(K, V)
             return sched
         except Exception:  # noqa: BLE001 - fall back to the generic default below

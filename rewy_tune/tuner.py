@@ -295,10 +295,10 @@ class Campaign:
         cfg = self.config
         return dict(op=op, K=cfg.K, V=cfg.V, interpreter=cfg.device.is_cpu)
 
-    def default_schedule(self, op: str) -> Schedule:
-        """The built-in schedule calls run without a winner: this device, head dims and input dtype."""
+    def default_schedule(self, op: str, policy: str) -> Schedule:
+        """The built-in schedule calls run without a winner: this device, head dims, input dtype and policy."""
         cfg = self.config
-        return search.default_schedule(op, cfg.device.compute_capability, cfg.K, cfg.V, cfg.dtype)
+        return search.default_schedule(op, cfg.device.compute_capability, cfg.K, cfg.V, cfg.dtype, policy)
 
     def task(self, op: str, policy: str, schedule: dict[str, Any], *, seed: int, fault: str = "none"
              ) -> dict[str, Any]:
@@ -313,7 +313,7 @@ class Campaign:
 
         cfg = self.config
         cc = cfg.device.compute_capability
-        seeds: list[Schedule] = [self.default_schedule(st.op)]
+        seeds: list[Schedule] = [self.default_schedule(st.op, st.policy)]
         with self.db.session() as s:
             for w in queries.winners(s, op=st.op, policy=st.policy):
                 if w.compute_capability == "{}.{}".format(*cc) and (w.K, w.V, w.dtype) == (cfg.K, cfg.V, cfg.dtype):
@@ -581,7 +581,7 @@ class Campaign:
             for op, policy in self._groups():
                 if self.stop.is_set() or not self._budget_left():
                     return
-                worker.request({"kind": "gate", **self.task(op, policy, self.default_schedule(op).to_dict(), seed=0)},
+                worker.request({"kind": "gate", **self.task(op, policy, self.default_schedule(op, policy).to_dict(), seed=0)},
                                self._warm_timeout_s())
             t1 = time.monotonic()
             phases["default gate"] = t1 - t0

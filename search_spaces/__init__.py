@@ -55,11 +55,13 @@ def constraint(schedule: Schedule, problem_dims: Any, op: str | None = None) -> 
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
-                     op: str | None = None, dtype: str | None = None) -> Schedule:
-    """Built-in schedule of the operator's space for a compute capability (None: generic) and input dtype
-    ("bf16", "fp16", "fp32"; None: 16-bit)."""
+                     op: str | None = None, dtype: str | None = None, policy: str | None = None) -> Schedule:
+    """Built-in schedule of the operator's space for a compute capability (None: generic), input dtype
+    ("bf16", "fp16", "fp32"; None: 16-bit) and policy ("R", "A"; None: R's; the vector H200 default differs)."""
+    if policy not in (None, "R", "A"):
+        raise ValueError(f"policy must be 'R', 'A' or None, got {policy!r}")
     if op in VECTOR_OPS:
-        return vector.default_schedule(compute_capability, K=K, V=V, op=op, dtype=dtype)
+        return vector.default_schedule(compute_capability, K=K, V=V, op=op, dtype=dtype, policy=policy)
     return module_for(op).default_schedule(compute_capability, K=K, V=V, dtype=dtype)
 
 

@@ -316,17 +316,27 @@ VECTOR_H200 = {
 }
 
 
+# Policy A's reverse scan runs alone: no forward scan beside it (policy R's side stream), and the consumer only after
+# it. 64-wide state tiles then beat the 32-wide ones policy R takes. Session 21 sweep, KDA A (one-wave split limit):
+# (1, 4096, 8) 0.548 -> 0.467 ms (scan 246 -> 150 us: 8 segments of 8 chunks against 4 of 16), (1, 8192, 4)
+# 0.566 -> 0.500, (1, 2048, 16) 0.455 -> 0.453 (benchmarks/RESULTS.md, session 21).
+VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 2)}
+
+
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
-                     op: str | None = None, dtype: str | None = None) -> Schedule:
+                     op: str | None = None, dtype: str | None = None, policy: str | None = None) -> Schedule:
     """Built-in schedule for KDA/GDN2: the scalar default (it passes this model) with the joint pointer
     consumer, and the vector cumsum's feature tile no wider than K; on compute capability 9.0 at K = V = 128 with
-    16-bit inputs (dtype None: 16-bit assumed) the campaign-measured one (`VECTOR_H200`). With fp32 inputs its
-    scans do not fit the H200's 232 448 B of shared memory (`constraint`; session 4's fp32 gate tests met it on the
-    device), so fp32 inputs take the scalar-derived one."""
+    16-bit inputs (dtype None: 16-bit assumed) the campaign-measured one (`VECTOR_H200`, with
+    `VECTOR_H200_POLICY_A` under policy "A"; None: policy R's). With fp32 inputs its scans do not fit the H200's
+    232 448 B of shared memory (`constraint`; session 4's fp32 gate tests met it on the device), so fp32 inputs take
+    the scalar-derived one."""
     scalar.check_default_dtype(dtype)
+    if policy not in (None, "R", "A"):
+        raise ValueError(f"policy must be 'R', 'A' or None, got {policy!r}")
     if (op in ("kda", "gdn2") and compute_capability is not None and tuple(compute_capability) == (9, 0)
             and K == V == 128 and dtype in (None, "bf16", "fp16")):
-        return Schedule(**VECTOR_H200)
+        return Schedule(**{**VECTOR_H200, **(VECTOR_H200_POLICY_A if policy == "A" else {})})
     # the descriptor consumer is scalar-gate only: vector gates take the pointer kernel
     base = scalar.default_schedule(compute_capability, K=K, V=V, dtype=dtype, vector_gates=True)
     return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))})

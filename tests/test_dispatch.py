@@ -72,6 +72,18 @@ def test_fallback_chain(tmp_path):
     assert "compute capability 9.0" in reason, reason
 
 
+def test_the_default_step_takes_the_problems_policy(tmp_path):
+    # KDA's H200 default differs between policies (policy A's lone reverse scan takes 64-wide tiles): the lookup
+    # with no winner returns the one of the call's policy
+    url = make_db(tmp_path / "w.db", [])
+    for policy in ("R", "A"):
+        kda = Problem("kda", policy, "bf16", B=1, T=4096, H=8, K=128, V=128)
+        s, reason = lookup(kda, H200, environment=RUN, db_url=url)
+        assert s == default_schedule((9, 0), K=128, V=128, op="kda", dtype="bf16", policy=policy)
+        assert reason.startswith("default:"), reason
+        assert s.reverse_scan.block_v == {"R": 32, "A": 64}[policy]
+
+
 def test_stale_kernel_hash_not_used(tmp_path):
     url = make_db(tmp_path / "w.db", [(H200, STALE, problem(T=2048), S2)])
     s, reason = lookup(problem(T=2048), H200, environment=RUN, db_url=url)

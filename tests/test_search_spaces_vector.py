@@ -357,6 +357,32 @@ def test_the_h200_vector_defaults():
     assert vector.default_schedule(None, op="gdn2").dv_local_source == "recompute"
 
 
+def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
+    # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep). R and
+    # None keep the 32-wide ones; every other field, and every other default, is the same under both policies.
+    from rewy_tune import search
+    from rewy_tune.search_spaces import default_schedule
+
+    for op in ("kda", "gdn2"):
+        r = vector.default_schedule((9, 0), op=op, policy="R")
+        a = vector.default_schedule((9, 0), op=op, policy="A")
+        assert r == vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
+        assert (r.reverse_scan.block_v, a.reverse_scan.block_v) == (32, 64)
+        assert a == r.replace(reverse_scan={"block_v": 64})
+        assert default_schedule((9, 0), op=op, policy="A") == a == search.default_schedule(op, (9, 0), 128, 128,
+                                                                                          None, "A")
+        for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):
+            assert (vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
+                    == vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R"))
+    for op in ("deltanet", "gdn"):
+        assert default_schedule((9, 0), op=op, policy="A") == default_schedule((9, 0), op=op, policy="R")
+    for bad in ("B", "a", ""):
+        with pytest.raises(ValueError, match=r"policy must be 'R', 'A' or None, got"):
+            default_schedule((9, 0), op="kda", policy=bad)
+        with pytest.raises(ValueError, match=r"policy must be 'R', 'A' or None, got"):
+            default_schedule((9, 0), op="gdn", policy=bad)
+
+
 def test_the_h200_defaults_overlap_the_scans_and_choose_k_split_from_the_grid():
     # session 16: every H200 default runs the reverse scan beside the forward scan, and the consumers that read
     # consumer_k_split (joint_tma, both vector ones) take "auto" (0); the generic defaults keep both off

@@ -708,11 +708,11 @@ def test_public_op_w_source_forward(op, monkeypatch):
 BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
 
 
-def _gpu_schedule(KV, op, dtype=None):
+def _gpu_schedule(KV, op, dtype=None, policy=None):
     try:
         from rewy_tune.search_spaces import default_schedule
 
-        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, op=op, dtype=dtype)
+        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, op=op, dtype=dtype, policy=policy)
     except ImportError:
         tile = max(128, KV)  # the scans hold all K rows; one pipeline stage keeps fp32 operands in shared memory
         one = lambda bk=64: StageConfig(bk, 64, 4, 1)
@@ -737,14 +737,16 @@ def test_gpu_fp32_gate(op, decay, consumer, precision):
 
 @BF16_ON_INTERPRETER
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"], ids=["policy-R", "policy-A"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES)
-def test_gpu_bench_shapes(op, B, T, H):
+def test_gpu_bench_shapes(op, B, T, H, policy):
+    # each policy's own default (policy A's reverse scan is wider: it runs alone)
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=16.0)
     ref = oracle(x, device="cuda")
-    for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
-        out = run_triton(x, _gpu_schedule(128, op).replace(state_dtype=states))
-        assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H} {states} states")
+    for states in ("input", "fp32"):  # bf16 per-chunk states and fp32 ones (the H200 default)
+        out = run_triton(x, _gpu_schedule(128, op, policy=policy).replace(state_dtype=states), policy)
+        assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H} {policy} {states} states")
 
 
 @BF16_ON_INTERPRETER

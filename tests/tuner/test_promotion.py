@@ -138,7 +138,7 @@ def _warm_stub(sent, lock=None):
                                 _warm_lock=lock or threading.Lock(), warm_s={}, warmed_at=None, _timed_at_warm=0,
                                 stats={"gated": 0, "timed": 0, "rejected": 0})
     obj._groups = lambda: tuner.Campaign._groups(obj)
-    obj.default_schedule = lambda op: tuner.Campaign.default_schedule(obj, op)
+    obj.default_schedule = lambda op, policy: tuner.Campaign.default_schedule(obj, op, policy)
     obj.task = lambda *a, **kw: tuner.Campaign.task(obj, *a, **kw)
     obj._warm_baselines = lambda w: tuner.Campaign._warm_baselines(obj, w)
     obj._warm_timeout_s = lambda: tuner.Campaign._warm_timeout_s(obj)
@@ -165,8 +165,10 @@ def test_the_machine_is_warmed_before_any_gate_process_starts():
     tuner.Campaign._warm_machine(obj, worker)
     assert [(m["kind"], m["op"], m["policy"]) for m in sent] == [
         ("gate", "gdn2", "R"), ("gate", "kda", "A"), ("warm", "gdn2", "R"), ("warm", "kda", "A")]
-    assert sent[0]["schedule"] == search.default_schedule("gdn2", (9, 0), 128, 128, "bf16").to_dict()
-    assert sent[1]["schedule"] == search.default_schedule("kda", (9, 0), 128, 128, "bf16").to_dict()
+    # each policy's own default (KDA's under A widens the reverse scan)
+    assert sent[0]["schedule"] == search.default_schedule("gdn2", (9, 0), 128, 128, "bf16", "R").to_dict()
+    assert sent[1]["schedule"] == search.default_schedule("kda", (9, 0), 128, 128, "bf16", "A").to_dict()
+    assert sent[1]["schedule"] != search.default_schedule("kda", (9, 0), 128, 128, "bf16", "R").to_dict()
     # both phases are timed per worker slot, and the end of the warm-up is when the after-warm-up rate starts
     assert list(obj.warm_s[0]) == ["default gate", "FLA baselines"] and obj.warmed_at is not None
 
