@@ -93,10 +93,10 @@ def _record(args) -> list[dict]:
     names = gates.arg_names(args.op)
     leaves = [inputs[n].clone().requires_grad_(True) for n in names]
     fn = getattr(rewy_tune, f"chunk_{args.op}")
-    if args.v_first_saved:
+    if args.k_first_saved:
         from rewy_tune.kernels import triton_function
 
-        triton_function.V_FIRST_SAVED_STATES = True
+        triton_function.V_FIRST_SAVED_STATES = False
     gate = {}
     if args.gate_in_kernel:  # KDA/GDN2's in-kernel gate (g is then the raw input)
         gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(args.H, requires_grad=True),
@@ -258,8 +258,9 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--gate", action="store_true", help="what one GPU trial compiles: gate cases and warm-up")
-    ap.add_argument("--v-first-saved", action="store_true",
-                    help="KDA/GDN2 policy A: S0 in FLA's V-first layout (triton_function.V_FIRST_SAVED_STATES)")
+    ap.add_argument("--k-first-saved", action="store_true",
+                    help="KDA/GDN2 policy A: S0 K-first, as before session 21 (triton_function.V_FIRST_SAVED_STATES "
+                         "off; the default is FLA's V-first layout)")
     ap.add_argument("--gate-in-kernel", action="store_true",
                     help="KDA/GDN2: the op with FLA's in-kernel gate (use_gate_in_kernel, A_log, dt_bias)")
     ap.add_argument("--sass", default="", metavar="KERNELS",

@@ -138,9 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k-first-vector", action="store_true",
                    help="KDA/GDN2 under R: FLA's forward state scan K-first, as before session 20 "
                         "(kernels.triton_function.V_FIRST_VECTOR off), to compare with the V-first default")
-    p.add_argument("--v-first-saved", action="store_true",
-                   help="KDA/GDN2 under A: FLA's forward state scan V-first and its h kept as it is, read in place by "
-                        "the consumer (kernels.triton_function.V_FIRST_SAVED_STATES, off until GPU-checked)")
+    p.add_argument("--k-first-saved", action="store_true",
+                   help="KDA/GDN2 under A: FLA's forward state scan K-first and its h saved K-first, as before "
+                        "session 21 (kernels.triton_function.V_FIRST_SAVED_STATES off), to compare with the default")
     p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                    help="GPU: after timing, profile N eager steps of each timed mode (torch.profiler) and print "
                         "every kernel's device time per step, forward and backward apart, and where the modes "
@@ -188,12 +188,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def layout_switch(args):
-    """--k-first-vector, --v-first-saved: the KDA/GDN2 forward state scan's layout under R / A while the check runs."""
+    """--k-first-vector, --k-first-saved: the KDA/GDN2 forward state scan's layout under R / A while the check runs."""
     from rewy_tune.kernels import triton_function
 
     saved = triton_function.V_FIRST_VECTOR, triton_function.V_FIRST_SAVED_STATES
     triton_function.V_FIRST_VECTOR = saved[0] and not args.k_first_vector
-    triton_function.V_FIRST_SAVED_STATES = saved[1] or args.v_first_saved
+    triton_function.V_FIRST_SAVED_STATES = saved[1] and not args.k_first_saved
     try:
         yield
     finally:

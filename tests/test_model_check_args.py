@@ -140,10 +140,12 @@ def test_layout_options_switch_the_state_layout_for_the_check_only(mc):
     assert triton_function.V_FIRST_VECTOR
     with mc.layout_switch(mc.parse_args([])):
         assert triton_function.V_FIRST_VECTOR
-    assert not triton_function.V_FIRST_SAVED_STATES  # off until its GPU tests have run
-    with mc.layout_switch(mc.parse_args(["--v-first-saved"])):
-        assert triton_function.V_FIRST_SAVED_STATES and triton_function.V_FIRST_VECTOR
-    assert not triton_function.V_FIRST_SAVED_STATES
+    assert triton_function.V_FIRST_SAVED_STATES  # the default since session 21
+    with mc.layout_switch(mc.parse_args(["--k-first-saved"])):
+        assert not triton_function.V_FIRST_SAVED_STATES and triton_function.V_FIRST_VECTOR
+    assert triton_function.V_FIRST_SAVED_STATES
+    with mc.layout_switch(mc.parse_args([])):
+        assert triton_function.V_FIRST_SAVED_STATES
 
 
 @pytest.fixture()
