@@ -532,13 +532,14 @@ def test_public_op_backend_triton(op, policy):
 
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_public_op_v_first_saved_states(op, monkeypatch):
-    # V_FIRST_SAVED_STATES on the CPU: the reference forward's S0 takes the layout FLA's V-first h has on CUDA and
-    # reaches the consumer as it is (S0_VK); the gradients are the K-first path's bits
+    # V_FIRST_SAVED_STATES on the CPU (the default since session 21): the reference forward's S0 takes the layout
+    # FLA's V-first h has on CUDA and reaches the consumer as it is (S0_VK); the gradients are the K-first path's bits
     from rewy_tune.kernels import triton_function
 
     layouts = []
     spy_consumer_launches(monkeypatch, lambda args, kw, grid: layouts.append(kw["S0_VK"]))
     x = make_inputs(op, 1, 100, 2, 32, 48, seed=53)
+    monkeypatch.setattr(triton_function, "V_FIRST_SAVED_STATES", False)
     k_first, _ = _public_op_grads(op, x, torch.float32, "triton", "A")
     monkeypatch.setattr(triton_function, "V_FIRST_SAVED_STATES", True)
     v_first, _ = _public_op_grads(op, x, torch.float32, "triton", "A")
