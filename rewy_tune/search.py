@@ -147,8 +147,9 @@ def blocks_for(K: int, V: int, interpreter: bool) -> tuple[int, ...]:
 
 
 def suggest_schedule(trial, *, op: str, K: int, V: int, compute_capability: tuple[int, int] | None,
-                     interpreter: bool) -> Schedule:
-    """Sample a Schedule in an Optuna trial (define-by-run, conditional groups)."""
+                     interpreter: bool, policy: str | None = None) -> Schedule:
+    """Sample a Schedule in an Optuna trial (define-by-run, conditional groups); the fields the space does not
+    sample are the policy's default's."""
     decl = declarative_space(op, K, V, interpreter)
     if decl is not None:
         choices, conditions = decl
@@ -158,7 +159,7 @@ def suggest_schedule(trial, *, op: str, K: int, V: int, compute_capability: tupl
             if cond is not None and params.get(cond[0]) != cond[1]:
                 continue  # conditional group: only sampled when its condition holds
             params[name] = vals[0] if len(vals) == 1 else trial.suggest_categorical(name, vals)
-        base = default_schedule(op, compute_capability, K, V)
+        base = default_schedule(op, compute_capability, K, V, policy=policy)
         return _search_spaces().schedule_from_params(params, base)
     blocks = blocks_for(K, V, interpreter)
     scan_k = _pow2_at_least(K)

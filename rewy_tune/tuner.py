@@ -667,7 +667,7 @@ class Campaign:
         self._emit(st)
         try:
             schedule = search.suggest_schedule(trial, compute_capability=cfg.device.compute_capability,
-                                               **self._space_kwargs(st.op))
+                                               policy=st.policy, **self._space_kwargs(st.op))
             fault = trial.suggest_categorical("test_fault", search.FAULTS) if search.faults_enabled() else "none"
         except ValueError as exc:  # the space produced an invalid Schedule: a constraint violation
             self._reject(st, trial, dict(trial.params), str(exc))

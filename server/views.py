@@ -448,7 +448,7 @@ def _points_and_flats(session: Session, camps: list[CampaignRow]) -> tuple[list,
 
 
 def _default_schedules(camps: list[CampaignRow]) -> list[dict[str, Any]]:
-    """The untuned default schedule of each campaign (the tuner's, for its op, device and K, V)."""
+    """The untuned default schedules of each campaign (the tuner's, for its op, device, K, V and each policy)."""
     out = [DEFAULT_SCHEDULE]
     try:
         from rewy_tune.search import default_schedule
@@ -459,13 +459,14 @@ def _default_schedules(camps: list[CampaignRow]) -> list[dict[str, Any]]:
         if not (isinstance(K, int) and isinstance(V, int)):
             continue
         device = c.environment.device
-        try:
-            sched = default_schedule(c.op, (device.cc_major, device.cc_minor), K, V,
-                                     c.workload.get("dtype")).to_dict()
-        except Exception:  # noqa: BLE001 - a default the tuner cannot build is simply not shown
-            continue
-        if sched not in out:
-            out.append(sched)
+        for policy in c.policies:
+            try:
+                sched = default_schedule(c.op, (device.cc_major, device.cc_minor), K, V,
+                                         c.workload.get("dtype"), policy).to_dict()
+            except Exception:  # noqa: BLE001 - a default the tuner cannot build is simply not shown
+                continue
+            if sched not in out:
+                out.append(sched)
     return out
 
 

@@ -369,6 +369,11 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         assert r == vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert (r.reverse_scan.block_v, a.reverse_scan.block_v) == (32, 64)
         assert a == r.replace(reverse_scan={"block_v": 64})
+        assert vector.constraint(a, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
+        params = search.schedule_params(a, op=op, K=128, V=128, interpreter=False)
+        for policy in ("A", "R"):  # a replayed trial is its parameters, whatever the base
+            assert search.suggest_schedule(optuna.trial.FixedTrial(params), op=op, K=128, V=128,
+                                           compute_capability=(9, 0), interpreter=False, policy=policy) == a
         assert default_schedule((9, 0), op=op, policy="A") == a == search.default_schedule(op, (9, 0), 128, 128,
                                                                                           None, "A")
         for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):

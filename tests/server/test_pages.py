@@ -53,3 +53,19 @@ def test_empty_database_pages(empty_client):
     r = empty_client.get("/")
     assert r.status_code == 200 and 'id="empty-state"' in r.text and "empty.db" in r.text
     assert empty_client.get("/compare").status_code == 200
+
+
+def test_default_schedules_are_each_policys():
+    # A KDA campaign on an H200 under both policies shows both built-in defaults (policy A's widens the reverse
+    # scan), each once; the bare Schedule() default stays first
+    from types import SimpleNamespace
+
+    from rewy_tune.search import default_schedule
+    from rewy_tune.server import views
+
+    device = SimpleNamespace(cc_major=9, cc_minor=0)
+    camp = SimpleNamespace(op="kda", policies=["R", "A"], workload={"K": 128, "V": 128, "dtype": "bf16"},
+                           environment=SimpleNamespace(device=device))
+    got = views._default_schedules([camp, camp])
+    want = [default_schedule("kda", (9, 0), 128, 128, "bf16", p).to_dict() for p in ("R", "A")]
+    assert got == [views.DEFAULT_SCHEDULE, *want] and want[0] != want[1]
