@@ -11,7 +11,8 @@
 # (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
 # counters of one backward's local kernels, benchmarks/one_backward.py; NCU_FLA_KERNELS adds FLA's), models
 # (benchmarks/model_check.py; needs FLA's model package carried too, which the image lacks (session 18):
-# bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0).
+# bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0), combine (benchmarks/combine_bench.py: the two
+# segment-combine kernels timed apart, COMBINE_S seconds).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
@@ -88,6 +89,10 @@ step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only
     awk '/^  [a-z_]+/ {k=$1} /issue_stalled_.*per_issue_active/ {n=$1; sub(/smsp__average_warps_issue_stalled_/,"",n);
       sub(/_per_issue_active.ratio/,"",n); if ($NF+0 > 0.3) print k, n, $NF}' "$RES/$file" | sort -k1,1 -k3,3nr | head -40
   done
+}
+step_combine() {  # the two segment-combine kernels timed apart (benchmarks/combine_bench.py, scan.COMBINE_CARRY_STAGES)
+  timeout "${COMBINE_S:-150}" python3 benchmarks/combine_bench.py --json "$RES/combine.json" > "$OUT/combine.log" 2>&1
+  echo "combine rc=$?"; grep -vE "Warning|warn" "$OUT/combine.log" | tail -12
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \

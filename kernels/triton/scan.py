@@ -441,6 +441,93 @@ def rewy_segment_combine_kernel(
             tl.store(h_in + (i_bh * NS + s_dst) * K * V + o_i[:, None] * V + cols[None, :], b_x, mask=m_ic)
 
 
+@triton.jit
+def _combine_first_block(h_first, h_dst, i_bh, cols, m_c, ib: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         KB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr):
+    # rows [ib·KB, ib·KB + KB) of the first segment's entering state (h0 / dht, or zero), stored and returned
+    o_f = ib * KB + tl.arange(0, KB)
+    m_f = (o_f < K)[:, None] & m_c[None, :]
+    if USE_FIRST:
+        b_f = tl.load(h_first + i_bh * K * V + o_f[:, None] * V + cols[None, :], mask=m_f, other=0.0)
+        b_f = b_f.to(tl.float32)
+    else:
+        b_f = tl.zeros([KB, BV], dtype=tl.float32)
+    tl.store(h_dst + o_f[:, None] * V + cols[None, :], b_f, mask=m_f)
+    return b_f
+
+
+@triton.jit
+def _combine_next_block(p_x, p_dst, cols, m_c, b0, b1, b2, b3, ib: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        XW: tl.constexpr, VP: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr):
+    # rows [ib·KB, ib·KB + KB) of the next entering state: the bias rows plus Σ_j Ψ[ib, j] · state block j, in the
+    # order rewy_segment_combine_kernel sums them (the same bits); stored and returned
+    o_i = ib * KB + tl.arange(0, KB)
+    m_i = o_i < K
+    m_ic = m_i[:, None] & m_c[None, :]
+    acc = tl.load(p_x + o_i[:, None] * XW + cols[None, :], mask=m_ic, other=0.0)
+    for jb in tl.static_range(NB):
+        o_j = jb * KB + tl.arange(0, KB)
+        b_t = tl.load(p_x + o_i[:, None] * XW + VP + o_j[None, :], mask=m_i[:, None] & (o_j < K)[None, :],
+                      other=0.0)
+        if jb == 0:
+            acc = _mma(b_t, b0, acc, PREC)
+        elif jb == 1:
+            acc = _mma(b_t, b1, acc, PREC)
+        elif jb == 2:
+            acc = _mma(b_t, b2, acc, PREC)
+        else:
+            acc = _mma(b_t, b3, acc, PREC)
+    tl.store(p_dst + o_i[:, None] * V + cols[None, :], acc, mask=m_ic)
+    return acc
+
+
+@triton.jit(do_not_specialize=["H"])
+def rewy_segment_combine_carry_kernel(
+    X, h_first, h_in,
+    H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
+    KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr, REVERSE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # rewy_segment_combine_kernel with the entering state carried in registers (NB ≤ 4 blocks of [KB, BV]) instead
+    # of re-read from h_in after a CTA barrier. A step's loads (Ψ_s and b_s) then depend only on the segment index,
+    # so the loop's num_stages > 1 prefetches the next segments' Ψ tiles (cp.async) while this one multiplies.
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    XW: tl.constexpr = VP + K
+    cols = i_c * BV + tl.arange(0, BV)
+    m_c = cols < V
+    p_first = h_in + (i_bh * NS + (NS - 1 if REVERSE else 0)) * K * V
+    b0 = _combine_first_block(h_first, p_first, i_bh, cols, m_c, 0, K, V, KB, BV, USE_FIRST)
+    b1 = b0  # blocks past NB are never read (_combine_next_block's static jb < NB)
+    b2 = b0
+    b3 = b0
+    if NB > 1:
+        b1 = _combine_first_block(h_first, p_first, i_bh, cols, m_c, 1, K, V, KB, BV, USE_FIRST)
+    if NB > 2:
+        b2 = _combine_first_block(h_first, p_first, i_bh, cols, m_c, 2, K, V, KB, BV, USE_FIRST)
+    if NB > 3:
+        b3 = _combine_first_block(h_first, p_first, i_bh, cols, m_c, 3, K, V, KB, BV, USE_FIRST)
+    for i in range(0, NS - 1):
+        if REVERSE:
+            s_src = NS - 1 - i
+            s_dst = s_src - 1
+        else:
+            s_src = i
+            s_dst = i + 1
+        p_x = X + (i_bh * NS + s_src) * K * XW
+        p_dst = h_in + (i_bh * NS + s_dst) * K * V
+        n0 = _combine_next_block(p_x, p_dst, cols, m_c, b0, b1, b2, b3, 0, K, V, XW, VP, KB, NB, PREC)
+        n1 = n0
+        n2 = n0
+        n3 = n0
+        if NB > 1:
+            n1 = _combine_next_block(p_x, p_dst, cols, m_c, b0, b1, b2, b3, 1, K, V, XW, VP, KB, NB, PREC)
+        if NB > 2:
+            n2 = _combine_next_block(p_x, p_dst, cols, m_c, b0, b1, b2, b3, 2, K, V, XW, VP, KB, NB, PREC)
+        if NB > 3:
+            n3 = _combine_next_block(p_x, p_dst, cols, m_c, b0, b1, b2, b3, 3, K, V, XW, VP, KB, NB, PREC)
+        b0, b1, b2, b3 = n0, n1, n2, n3
+
+
 def _check_scan_args(K, V, chunk_size, BK, BV, num_warps, num_stages, state_dtype, num_segments, dtype):
     validate_chunk_size(chunk_size)
     validate_tile("BK", BK, hi=256, covers=K)
@@ -468,6 +555,53 @@ def combine_shared_memory(K: int) -> int:
     and its dot-operand copy, one stage (sm_90 compile at K = 128: 24 576 B, exactly this)."""
     KB, _ = _state_blocks(K)
     return (KB * KB + 2 * KB * COMBINE_BV) * 4
+
+
+# The segment combine with the entering state carried in registers (rewy_segment_combine_carry_kernel) at this
+# many pipeline stages; 0: the kernel that re-reads it (rewy_segment_combine_kernel, the one the GPU has timed).
+# Each combine step of that one costs ~3 µs on the H200 (session 21: 10-21 µs a split scan at NS = 4-8, about 10 %
+# of KDA's backward at (1, 512, 4)); the carry kernel's loads do not wait on the previous step, so with stages > 1
+# they are prefetched. Off until benchmarks/combine_bench.py has timed both on a GPU.
+COMBINE_CARRY_STAGES = 0
+
+
+def combine_carry_shared_memory(K: int, stages: int) -> int:
+    """Shared-memory bytes of rewy_segment_combine_carry_kernel, exact for the sm_90 compiles at K = 64, 128, 256
+    and one to three stages (K = 128: 28 672 B at one stage, 143 360 at two, 208 896 at three): one [KB, KB] Ψ
+    block at one stage, else all NB² of a step per stage, plus NB + 1 fp32 [KB, BV] tiles (the state blocks as dot
+    operands and the bias)."""
+    KB, NB = _state_blocks(K)
+    psi = KB * KB if stages <= 1 else stages * NB * NB * KB * KB
+    return (psi + (NB + 1) * KB * COMBINE_BV) * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_smem(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def combine_carry_stages(K: int, device: torch.device, stages: int | None = None) -> int:
+    """The carry kernel's stages for head dim K on `device` (stages None: COMBINE_CARRY_STAGES; 0: the reload
+    kernel): the most ≤ stages whose shared memory fits the device's opt-in limit, at least one."""
+    stages = COMBINE_CARRY_STAGES if stages is None else stages
+    if stages <= 1 or device.type != "cuda":
+        return stages
+    limit = _cuda_smem(device.index if device.index is not None else torch.cuda.current_device())
+    while stages > 1 and combine_carry_shared_memory(K, stages) > limit:
+        stages -= 1
+    return stages
+
+
+def _segment_combine(X, first, h_in, *, H, K, V, VP, NS, KB, NB, reverse, prec, num_warps):
+    """Entering states h_in [B·H, NS, K, V] of every segment from their transfer matrices and biases X."""
+    grid = (triton.cdiv(V, COMBINE_BV), h_in.shape[0])
+    args = dict(H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=first is not None,
+                REVERSE=reverse, PREC=prec, num_warps=num_warps)
+    stages = combine_carry_stages(K, h_in.device)
+    if stages > 0:
+        rewy_segment_combine_carry_kernel[grid](X, first, h_in, num_stages=stages, **args)
+    else:
+        rewy_segment_combine_kernel[grid](X, first, h_in, num_stages=1, **args)
 
 
 # A segment spans at least this many chunks. Latency ≈ 2·NT/NS + NS chunk steps is lowest near NS = sqrt(2·NT),
@@ -589,9 +723,8 @@ def forward_state_scan(
         rewy_fwd_scan_kernel[grid1](k, W, U, G, None, Hs, R, X, T, NT, CPS, 0, NS=NS, PHASE=1, USE_H_IN=False,
                                     **common)
         h_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
-        rewy_segment_combine_kernel[(triton.cdiv(V, COMBINE_BV), B * H)](
-            X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=h0 is not None,
-            REVERSE=False, PREC=prec, num_warps=num_warps, num_stages=1)
+        _segment_combine(X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, reverse=False, prec=prec,
+                         num_warps=num_warps)
     rewy_fwd_scan_kernel[(NV, B * H, NS)](k, W, U, G, h_in, Hs, R, None, T, NT, CPS, 0, NS=NS, PHASE=0,
                                           USE_H_IN=h_in is not None, **common)
     return Hs, R
@@ -700,9 +833,8 @@ def reverse_state_scan_ranges(
             rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, scale, T, NT, CPS, 1, NS=NS,
                                         PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
                                         **common)
-            rewy_segment_combine_kernel[(triton.cdiv(V, COMBINE_BV), B * H)](
-                X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=dht is not None,
-                REVERSE=True, PREC=prec, num_warps=num_warps, num_stages=1)
+            _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, reverse=True, prec=prec,
+                             num_warps=num_warps)
         rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT, CPS,
                                               0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,
                                               CARRY=False, **common)

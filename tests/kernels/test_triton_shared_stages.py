@@ -312,6 +312,104 @@ def test_reverse_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state
     check(dh0, hr, dtype, "dh0")
 
 
+@pytest.mark.parametrize("K,V,NS", [(32, 40, 2), (64, 64, 3), (128, 48, 5), (256, 16, 3)])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("first", [False, True])
+def test_segment_combine_carry_kernel_gives_the_reload_kernels_bits(K, V, NS, reverse, first):
+    # The two combine kernels (scan.COMBINE_CARRY_STAGES picks one) form the same sums in the same order: every
+    # segment's entering state equal bit for bit, on outputs poisoned with NaN, at one to four 64-row state blocks
+    # (K 32-256), a V that is not a multiple of the 16-column tile, and each direction, with or without h0 / dht
+    from rewy_tune.kernels.triton import scan
+
+    B_H, H, BV = 3, 3, scan.COMBINE_BV
+    KB, NB = scan._state_blocks(K)
+    VP = triton_cdiv(V, 16) * 16
+    gen = torch.Generator().manual_seed(K + NS)
+    X = (torch.randn(B_H, NS, K, VP + K, generator=gen) * 0.3).to(DEV)
+    h_first = torch.randn(B_H // H, H, K, V, generator=gen).to(DEV) if first else None
+    out = {}
+    for stages in (0, 1, 2):
+        h_in = torch.full((B_H, NS, K, V), float("nan"), device=DEV)
+        kernel = scan.rewy_segment_combine_carry_kernel if stages else scan.rewy_segment_combine_kernel
+        kernel[(triton_cdiv(V, BV), B_H)](X, h_first, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=BV,
+                                          USE_FIRST=first, REVERSE=reverse, PREC="ieee", num_warps=4,
+                                          num_stages=max(1, stages))
+        assert torch.isfinite(h_in).all(), stages
+        out[stages] = h_in
+    assert torch.equal(out[1], out[0]) and torch.equal(out[2], out[0])
+    # and the recurrence itself: h_in[next] = Ψ h_in[this] + b in the scan's direction
+    order = list(range(NS - 1, -1, -1)) if reverse else list(range(NS))
+    h = h_first.reshape(B_H, K, V).double() if first else torch.zeros(B_H, K, V, dtype=torch.float64, device=DEV)
+    for s_src, s_dst in zip(order, order[1:]):
+        torch.testing.assert_close(out[0][:, s_src].double(), h, rtol=1e-4, atol=1e-4)
+        x = X[:, s_src].double()
+        h = x[..., :V] + x[..., VP:] @ h
+    torch.testing.assert_close(out[0][:, order[-1]].double(), h, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_split_scans_with_the_carry_combine_give_the_same_bits(stages, monkeypatch):
+    # COMBINE_CARRY_STAGES switches both scans' combine; a split forward and reverse scan give the bits of the
+    # reload kernel (the vector gate, K = 64, h0 and dht given, eight chunks in four segments)
+    from rewy_tune.kernels.triton import scan
+
+    B, T, H, K, V, C = 1, 128, 2, 64, 48, 16
+    s = _scan_inputs(B, T, H, K, V, C, "vector", torch.float32, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEV)
+    do, dvl = (torch.randn(B, T, H, V, generator=gen).to(DEV) for _ in range(2))
+    kw = dict(chunk_size=C, BK=K, BV=16, num_warps=4, num_stages=2, state_dtype=torch.float32, num_segments=4)
+
+    def run():
+        fwd = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, **kw)
+        rev = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dvl, h0, scale=K ** -0.5, want_dh0=True, **kw)
+        return fwd + rev
+
+    launched = []
+    carry = scan.rewy_segment_combine_carry_kernel
+    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel", _Spy(carry, launched))
+    reload = run()
+    assert launched == []
+    monkeypatch.setattr(scan, "COMBINE_CARRY_STAGES", stages)
+    carried = run()
+    assert len(launched) == 2  # the forward and the reverse scan's combine
+    for a, b in zip(carried, reload):
+        assert torch.equal(a, b)
+
+
+class _Spy:
+    """A launchable stand-in that records each launch and runs the kernel."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append(kw["num_stages"])
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def test_combine_carry_stages_fit_the_device():
+    from rewy_tune.kernels.triton import scan
+
+    # the sm_90 compiles' shared memory (compiled on a CPU, session 21), one to three stages
+    assert [scan.combine_carry_shared_memory(64, n) for n in (1, 2, 3)] == [24576, 40960, 57344]
+    assert [scan.combine_carry_shared_memory(128, n) for n in (1, 2, 3)] == [28672, 143360, 208896]
+    assert [scan.combine_carry_shared_memory(256, n) for n in (1, 2, 3)] == [36864, 544768, 806912]
+    cpu = torch.device("cpu")
+    assert scan.combine_carry_stages(128, cpu, 3) == 3 and scan.combine_carry_stages(128, cpu, 0) == 0
+    assert scan.combine_carry_stages(128, cpu) == scan.COMBINE_CARRY_STAGES == 0  # off until timed on a GPU
+    if torch.cuda.is_available():
+        limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+        n = scan.combine_carry_stages(256, torch.device("cuda", 0), 3)
+        assert n == 1 or scan.combine_carry_shared_memory(256, n) <= limit
+
+
 def test_reverse_state_scan_no_dvl_no_dh0():
     B, T, H, K, V, C = 1, 100, 2, 32, 32, 64
     s = _scan_inputs(B, T, H, K, V, C, "scalar", torch.float32, seed=6)
