@@ -377,6 +377,33 @@ def test_split_scans_with_the_carry_combine_give_the_same_bits(stages, monkeypat
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                    reason="needs a CUDA GPU and REWY_TEST_NO_INTERPRET=1 (compiled Triton)")
+@pytest.mark.parametrize("K,NS", [(64, 8), (128, 4), (128, 8), (256, 3)])
+def test_gpu_segment_combine_carry_kernel(K, NS):
+    # On the GPU with tf32 products (the 16-bit pipeline's): the carry kernel at every stage count that fits gives
+    # the reload kernel's bits
+    from rewy_tune.kernels.triton import scan
+
+    B_H, V = 4, 128
+    KB, NB = scan._state_blocks(K)
+    gen = torch.Generator(device="cuda").manual_seed(K + NS)
+    X = torch.randn(B_H, NS, K, V + K, device="cuda", generator=gen) * 0.05
+    h_first = torch.randn(B_H, K, V, device="cuda", generator=gen)
+    out = {}
+    for stages in range(0, scan.combine_carry_stages(K, X.device, 3) + 1):
+        h_in = torch.full((B_H, NS, K, V), float("nan"), device="cuda")
+        kernel = scan.rewy_segment_combine_carry_kernel if stages else scan.rewy_segment_combine_kernel
+        kernel[(triton_cdiv(V, scan.COMBINE_BV), B_H)](X, h_first, h_in, H=B_H, K=K, V=V, VP=V, NS=NS, KB=KB,
+                                                       NB=NB, BV=scan.COMBINE_BV, USE_FIRST=True, REVERSE=True,
+                                                       PREC="tf32", num_warps=4, num_stages=max(1, stages))
+        assert torch.isfinite(h_in).all(), stages
+        out[stages] = h_in
+    for stages in out:
+        assert torch.equal(out[stages], out[0]), stages
+
+
 class _Spy:
     """A launchable stand-in that records each launch and runs the kernel."""
 
