@@ -581,8 +581,8 @@ class Campaign:
             for op, policy in self._groups():
                 if self.stop.is_set() or not self._budget_left():
                     return
-                worker.request({"kind": "gate", **self.task(op, policy, self.default_schedule(op, policy).to_dict(), seed=0)},
-                               self._warm_timeout_s())
+                default = self.default_schedule(op, policy).to_dict()
+                worker.request({"kind": "gate", **self.task(op, policy, default, seed=0)}, self._warm_timeout_s())
             t1 = time.monotonic()
             phases["default gate"] = t1 - t0
             self._warm_baselines(worker)

@@ -58,11 +58,9 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
                      op: str | None = None, dtype: str | None = None, policy: str | None = None) -> Schedule:
     """Built-in schedule of the operator's space for a compute capability (None: generic), input dtype
     ("bf16", "fp16", "fp32"; None: 16-bit) and policy ("R", "A"; None: R's; the vector H200 default differs)."""
-    if policy not in (None, "R", "A"):
-        raise ValueError(f"policy must be 'R', 'A' or None, got {policy!r}")
     if op in VECTOR_OPS:
         return vector.default_schedule(compute_capability, K=K, V=V, op=op, dtype=dtype, policy=policy)
-    return module_for(op).default_schedule(compute_capability, K=K, V=V, dtype=dtype)
+    return module_for(op).default_schedule(compute_capability, K=K, V=V, dtype=dtype, policy=policy)
 
 
 __all__ = ["CONDITIONS", "OPS", "SCALAR_OPS", "VECTOR_OPS", "conditions", "constraint", "default_schedule",

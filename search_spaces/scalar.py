@@ -320,8 +320,14 @@ def check_default_dtype(dtype: str | None) -> None:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} or None (16-bit), got {dtype!r}")
 
 
+def check_default_policy(policy: str | None) -> None:
+    """A default may differ per policy (the vector H200 one does): an unknown one would silently get R's."""
+    if policy not in (None, "R", "A"):
+        raise ValueError(f"policy must be 'R', 'A' or None, got {policy!r}")
+
+
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
-                     dtype: str | None = None, vector_gates: bool = False) -> Schedule:
+                     dtype: str | None = None, vector_gates: bool = False, policy: str | None = None) -> Schedule:
     """Built-in schedule: tuned-by-hand starting point for Hopper (9, 0), a conservative generic one otherwise.
 
     dtype: the inputs' ("bf16", "fp16", "fp32"; None: 16-bit). vector_gates: the base the vector space builds on
@@ -330,6 +336,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""
     check_default_dtype(dtype)
+    check_default_policy(policy)  # the scalar defaults are the same under both policies
     kk = max(16, _pow2_ceil(K))
     bk = min(64, kk)
     bv = min(64, max(16, _pow2_ceil(V)))

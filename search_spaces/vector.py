@@ -332,8 +332,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     232 448 B of shared memory (`constraint`; session 4's fp32 gate tests met it on the device), so fp32 inputs take
     the scalar-derived one."""
     scalar.check_default_dtype(dtype)
-    if policy not in (None, "R", "A"):
-        raise ValueError(f"policy must be 'R', 'A' or None, got {policy!r}")
+    scalar.check_default_policy(policy)
     if (op in ("kda", "gdn2") and compute_capability is not None and tuple(compute_capability) == (9, 0)
             and K == V == 128 and dtype in (None, "bf16", "fp16")):
         return Schedule(**{**VECTOR_H200, **(VECTOR_H200_POLICY_A if policy == "A" else {})})
