@@ -37,7 +37,6 @@ from .consumer_tma import consumer_tma, tma_supported
 from .cumsum import chunk_cumsum
 from .local import consumer as run_consumer
 from .local import dv_local as run_dv_local
-from .local import is_v_first
 from .local import producer as run_producer
 from .query_side import query_side
 from .recompute import recompute_wu
@@ -341,9 +340,9 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
                                        num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
                                        num_segments=sc.forward_scan_segments, split_max_programs=split_limit)
-        else:  # policy A: a V-first S0 stays as it is for the vector consumer, the one that reads that layout
+        else:  # policy A: the vector consumer takes S0 as it comes (it reads FLA's V-first h in place)
             vector = G is not None and G.dim() == 4
-            S0, R = (S0 if vector and is_v_first(S0) else S0.contiguous()), R.contiguous()
+            S0, R = (S0 if vector else S0.contiguous()), R.contiguous()
         del U
         if query_side is not None:  # reads S0, R, never the reverse scan's outputs: beside it on the main stream
             cc = sc.consumer_cfg
