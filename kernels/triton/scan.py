@@ -390,6 +390,21 @@ def rewy_bwd_scan_kernel(
             _state_block_store(p_x, b_d3, cols, m_x, XW, 3, K, KB)
 
 
+@triton.jit
+def _combine_first_block(h_first, h_dst, i_bh, cols, m_c, ib: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         KB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr):
+    # rows [ib·KB, ib·KB + KB) of the first segment's entering state (h0 / dht, or zero), stored and returned
+    o_f = ib * KB + tl.arange(0, KB)
+    m_f = (o_f < K)[:, None] & m_c[None, :]
+    if USE_FIRST:
+        b_f = tl.load(h_first + i_bh * K * V + o_f[:, None] * V + cols[None, :], mask=m_f, other=0.0)
+        b_f = b_f.to(tl.float32)
+    else:
+        b_f = tl.zeros([KB, BV], dtype=tl.float32)
+    tl.store(h_dst + o_f[:, None] * V + cols[None, :], b_f, mask=m_f)
+    return b_f
+
+
 @triton.jit(do_not_specialize=["H"])
 def rewy_segment_combine_kernel(
     X, h_first, h_in,
@@ -406,16 +421,9 @@ def rewy_segment_combine_kernel(
     XW: tl.constexpr = VP + K
     cols = i_c * BV + tl.arange(0, BV)
     m_c = cols < V
-    s_first = NS - 1 if REVERSE else 0
+    p_first = h_in + (i_bh * NS + (NS - 1 if REVERSE else 0)) * K * V
     for ib in tl.static_range(NB):
-        o_f = ib * KB + tl.arange(0, KB)
-        m_f = (o_f < K)[:, None] & m_c[None, :]
-        if USE_FIRST:
-            b_f = tl.load(h_first + i_bh * K * V + o_f[:, None] * V + cols[None, :], mask=m_f, other=0.0)
-        else:
-            b_f = tl.zeros([KB, BV], dtype=tl.float32)
-        tl.store(h_in + (i_bh * NS + s_first) * K * V + o_f[:, None] * V + cols[None, :], b_f.to(tl.float32),
-                 mask=m_f)
+        _combine_first_block(h_first, p_first, i_bh, cols, m_c, ib, K, V, KB, BV, USE_FIRST)
     for i in range(0, NS - 1):
         tl.debug_barrier()
         if REVERSE:
@@ -439,21 +447,6 @@ def rewy_segment_combine_kernel(
                 b_p = tl.load(p_src + o_j[:, None] * V + cols[None, :], mask=m_j[:, None] & m_c[None, :], other=0.0)
                 b_x = _mma(b_t, b_p, b_x, PREC)
             tl.store(h_in + (i_bh * NS + s_dst) * K * V + o_i[:, None] * V + cols[None, :], b_x, mask=m_ic)
-
-
-@triton.jit
-def _combine_first_block(h_first, h_dst, i_bh, cols, m_c, ib: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         KB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr):
-    # rows [ib·KB, ib·KB + KB) of the first segment's entering state (h0 / dht, or zero), stored and returned
-    o_f = ib * KB + tl.arange(0, KB)
-    m_f = (o_f < K)[:, None] & m_c[None, :]
-    if USE_FIRST:
-        b_f = tl.load(h_first + i_bh * K * V + o_f[:, None] * V + cols[None, :], mask=m_f, other=0.0)
-        b_f = b_f.to(tl.float32)
-    else:
-        b_f = tl.zeros([KB, BV], dtype=tl.float32)
-    tl.store(h_dst + o_f[:, None] * V + cols[None, :], b_f, mask=m_f)
-    return b_f
 
 
 @triton.jit

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from rewy_tune.gates import poison_allocations
 from rewy_tune.kernels.triton.cumsum import chunk_cumsum
@@ -323,7 +324,7 @@ def test_segment_combine_carry_kernel_gives_the_reload_kernels_bits(K, V, NS, re
 
     B_H, H, BV = 3, 3, scan.COMBINE_BV
     KB, NB = scan._state_blocks(K)
-    VP = triton_cdiv(V, 16) * 16
+    VP = triton.cdiv(V, 16) * 16
     gen = torch.Generator().manual_seed(K + NS)
     X = (torch.randn(B_H, NS, K, VP + K, generator=gen) * 0.3).to(DEV)
     h_first = torch.randn(B_H // H, H, K, V, generator=gen).to(DEV) if first else None
@@ -331,7 +332,7 @@ def test_segment_combine_carry_kernel_gives_the_reload_kernels_bits(K, V, NS, re
     for stages in (0, 1, 2):
         h_in = torch.full((B_H, NS, K, V), float("nan"), device=DEV)
         kernel = scan.rewy_segment_combine_carry_kernel if stages else scan.rewy_segment_combine_kernel
-        kernel[(triton_cdiv(V, BV), B_H)](X, h_first, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=BV,
+        kernel[(triton.cdiv(V, BV), B_H)](X, h_first, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=BV,
                                           USE_FIRST=first, REVERSE=reverse, PREC="ieee", num_warps=4,
                                           num_stages=max(1, stages))
         assert torch.isfinite(h_in).all(), stages
@@ -395,7 +396,7 @@ def test_gpu_segment_combine_carry_kernel(K, NS):
     for stages in range(0, scan.combine_carry_stages(K, X.device, 3) + 1):
         h_in = torch.full((B_H, NS, K, V), float("nan"), device="cuda")
         kernel = scan.rewy_segment_combine_carry_kernel if stages else scan.rewy_segment_combine_kernel
-        kernel[(triton_cdiv(V, scan.COMBINE_BV), B_H)](X, h_first, h_in, H=B_H, K=K, V=V, VP=V, NS=NS, KB=KB,
+        kernel[(triton.cdiv(V, scan.COMBINE_BV), B_H)](X, h_first, h_in, H=B_H, K=K, V=V, VP=V, NS=NS, KB=KB,
                                                        NB=NB, BV=scan.COMBINE_BV, USE_FIRST=True, REVERSE=True,
                                                        PREC="tf32", num_warps=4, num_stages=max(1, stages))
         assert torch.isfinite(h_in).all(), stages
@@ -415,10 +416,6 @@ class _Spy:
             self.log.append(kw["num_stages"])
             return self.kernel[grid](*args, **kw)
         return launch
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def test_combine_carry_stages_fit_the_device():
