@@ -89,6 +89,14 @@ def variants_for(op: str, base):
         # Under A the reverse scan runs alone; at 32 wide the one-wave rule splits it in 4 segments of 16 chunks
         # there, where session 10's 64-wide tiles ran 8 segments of 8 (16 programs each)
         out["rscan-bv64"] = base.replace(reverse_scan={"block_v": 64})
+        # session 22: the intra products as three tf32 tensor-core products of split operands (vector_local.fdot);
+        # sm_90 compile of KDA's A consumer at H = 16: 9 736 -> 7 384 instructions, FFMA 3 356 -> 288, HGMMA 162
+        split = base.replace(intra_precision="tf32x3_split")
+        out["split3"] = split
+        out["split3-w4"] = split.replace(consumer_cfg={"num_warps": 4})
+        out["split3-128x64"] = split.replace(consumer_cfg={"block_k": 128})
+        out["split3-64x128"] = split.replace(consumer_cfg={"block_v": 128})
+        out["split3-k1"] = split.replace(consumer_k_split=1)
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:
