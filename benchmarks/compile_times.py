@@ -212,6 +212,10 @@ def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[s
         out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
         if rec["name"] in sass:
             print_sass(rec["name"], opts, c.asm["cubin"])
+            if os.environ.get("IR_DUMP"):  # Triton's GPU IR and the PTX, to read how a product was lowered
+                for ext in ("ttgir", "ptx"):
+                    with open(os.path.join(os.environ["IR_DUMP"], f"{rec['name']}.{ext}"), "w") as f:
+                        f.write(c.asm[ext])
     return out
 
 

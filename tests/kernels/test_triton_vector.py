@@ -762,6 +762,8 @@ def test_gpu_fp32_gate(op, decay, consumer, precision):
     x = make_inputs(op, 1, 2048, 4, 128, 128, device="cuda", seed=3, decay=decay, gate_div=16.0)
     paths = {}
     sched = _gpu_schedule(128, op, "fp32").replace(consumer=consumer, intra_precision=precision)
+    if precision == "tf32x3_split":  # 4 warps: vector.H200_SPLIT_WARPS_FAULT
+        sched = sched.replace(consumer_cfg={"num_warps": 4})
     out = run_triton(x, sched, "R", paths)
     assert PATH_SUBCHUNK in path_set(paths) if decay == "strong" else path_set(paths) == {PATH_CENTRED}
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu fp32 {op} {decay} {consumer}")
@@ -787,14 +789,15 @@ def test_gpu_bench_shapes(op, B, T, H, policy):
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES)
 def test_gpu_bench_shapes_tf32x3_split(op, B, T, H, policy):
-    # the intra products as three written-out tf32 products (vector_local.fdot) with 16-bit inputs, where
-    # Triton's own tf32x3 faults (test_gpu_tf32x3_bf16_fault); strong decay (at B·H = 4, T ≤ 2048: the float64
+    # the intra products as three written-out tf32 products (vector_local.fdot) with 16-bit inputs at 4 consumer
+    # warps (8 fault: vector.H200_SPLIT_WARPS_FAULT), where Triton's own tf32x3 faults (test_gpu_tf32x3_bf16_fault); strong decay (at B·H = 4, T ≤ 2048: the float64
     # oracle's time) also takes the sub-chunk products
     for decay in ("normal", "strong") if B * T * H <= 8192 else ("normal",):
         x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7,
                         gate_div=16.0, decay=decay)
         paths = {}
-        sched = _gpu_schedule(128, op, policy=policy).replace(intra_precision="tf32x3_split")
+        sched = _gpu_schedule(128, op, policy=policy).replace(intra_precision="tf32x3_split",
+                                                               consumer_cfg={"block_k": 32, "num_warps": 4})
         out = run_triton(x, sched, policy, paths)
         assert PATH_SUBCHUNK in path_set(paths) if decay == "strong" else path_set(paths) == {PATH_CENTRED}
         assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu split {op} {B},{T},{H} {policy} {decay}")
