@@ -89,20 +89,6 @@ def variants_for(op: str, base):
         # Under A the reverse scan runs alone; at 32 wide the one-wave rule splits it in 4 segments of 16 chunks
         # there, where session 10's 64-wide tiles ran 8 segments of 8 (16 programs each)
         out["rscan-bv64"] = base.replace(reverse_scan={"block_v": 64})
-        # session 22: the intra products as three tf32 tensor-core products of split operands (vector_local.fdot);
-        # sm_90 compile of KDA's A consumer at H = 16: 9 736 -> 7 384 instructions, FFMA 3 356 -> 288, HGMMA 162.
-        # 8 warps give wrong gradients with 16-bit inputs (vector.H200_SPLIT_WARPS_FAULT): 4-warp consumers only
-        split = base.replace(intra_precision="tf32x3_split", consumer_cfg={"num_warps": 4})
-        out["split3-w4"] = split
-        out["split3-w4-k1"] = split.replace(consumer_k_split=1)
-        out["split3-w4-k2"] = split.replace(consumer_k_split=2)
-        out["split3-w4-64x128"] = split.replace(consumer_cfg={"block_v": 128})
-        out["split3-w4-32x64"] = split.replace(consumer_cfg={"block_k": 32})
-        out["split3-w4-128x64"] = split.replace(consumer_cfg={"block_k": 128})
-        # sm_90 at 4 warps: 64 x 64 spills (1 680 B of stack), 32 x 64 nearly not (296 B, 7 000 instructions)
-        out["split3-w4-32x64-k1"] = split.replace(consumer_cfg={"block_k": 32}, consumer_k_split=1)
-        out["split3-w4-32x32"] = split.replace(consumer_cfg={"block_k": 32, "block_v": 32})
-        out["split3-w4-32x64-k2"] = split.replace(consumer_cfg={"block_k": 32}, consumer_k_split=2)
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:

@@ -76,7 +76,7 @@ CONSUMER_RANGES = (0, 1, 2, 4, 8)  # the consumer's chunk ranges (0: "auto", pip
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
-INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32x3_split")
+INTRA_PRECISIONS = ("ieee", "tf32x3")
 DV_LOCAL_SOURCES = ("recompute", "forward")
 CHUNK_SIZES = (16, 32, 64)
 SPLIT_WAVES = (0, 1, 2, 4)  # scan_split_waves: 0 = no occupancy limit on the sequence split
@@ -143,8 +143,7 @@ class Schedule:
     # "joint_tma": joint through tensor descriptors (TMA on sm_90; scalar gates only)
     pd_dtype: str = "fp32"  # storage dtype of P and D when consumer == "separate"
     intra: str = "auto"  # vector-gate intra (KDA/GDN2): centred whole-chunk or 16-row sub-chunk
-    intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee"), 3×tf32 ("tf32x3": tl.dot's;
-    # "tf32x3_split": the three products written out, kernels/triton/vector_local.fdot)
+    intra_precision: str = "ieee"  # vector-gate intra products: fp32 FMA ("ieee") or 3×tf32 ("tf32x3")
     forward_scan_segments: int = 1  # sequence split of the forward scan: at most this many segments of >= 2 chunks
     reverse_scan_segments: int = 1  # sequence split of the reverse scan (the same rule; see scan.py)
     scan_split_waves: int = 0  # split only while a scan's grid fits in this many waves of one program per SM; 0: always

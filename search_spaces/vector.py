@@ -60,9 +60,8 @@ from rewy_tune.search_spaces.scalar import (
 # `intra` values searched: the guarded centred products ("auto") and the always-safe sub-chunk fallback.
 INTRA_CHOICES = ["auto", "subchunk"]
 # Precision of the fp32 intra products: exact fp32 FMAs ("ieee") or three tf32 tensor-core products per product
-# ("tf32x3", fp32-level error; compiles 2-3x faster; "tf32x3_split", the same three products written out in
-# kernels/triton/vector_local.fdot, where Triton's own faults). The correctness gates decide per trial.
-INTRA_PRECISION_CHOICES = ["ieee", "tf32x3", "tf32x3_split"]
+# ("tf32x3", fp32-level error; compiles 2-3x faster). The correctness gates decide per trial.
+INTRA_PRECISION_CHOICES = ["ieee", "tf32x3"]
 # Source of dv_local's A_qk: recomputed from q, k, G ("recompute", the GPU-verified default) or the forward's saved
 # Aqk ("forward": one [C, C] x [C, BV] product per V tile; FLA keeps the same buffer). The gates decide per trial.
 DV_LOCAL_SOURCE_CHOICES = ["recompute", "forward"]
@@ -261,9 +260,6 @@ def gpu_fault_reasons(schedule: Schedule, K: int, V: int, e: int,
     if (e == 2 and compute_capability is not None and compute_capability[0] == 9
             and schedule.intra_precision == "tf32x3"):
         reasons.append(f"intra_precision='tf32x3' with 16-bit inputs: {H200_TF32X3_FAULT}")
-    if (compute_capability is not None and compute_capability[0] == 9
-            and schedule.intra_precision == "tf32x3_split" and schedule.consumer_cfg.num_warps > 4):
-        reasons.append(f"intra_precision='tf32x3_split' with consumer num_warps > 4: {H200_SPLIT_WARPS_FAULT}")
     return reasons
 
 
@@ -275,15 +271,12 @@ def gpu_fault_reasons(schedule: Schedule, K: int, V: int, e: int,
 # space on sm_9x; tests/kernels/test_triton_vector.py test_gpu_tf32x3_bf16_fault reports a Triton fix.
 H200_TF32X3_FAULT = ("Triton 3.6 on sm_90 stops the sliced-intra consumer with an illegal memory access "
                      "(H200, session 7)")
-
-# Session 22 (RESULTS.md; results/session22-call-2): the written-out tf32x3 ("tf32x3_split") at 8 warps gave a wrong dk
-# (rel RMS 0.95) at (1, 512, 4) and an illegal memory access at larger shapes with bf16 inputs, and so did one plain
-# tf32 product in its place; compute-sanitizer: invalid shared-memory reads of 1 024 B by the second warpgroup. A tf32
-# product whose result reaches another product (an accumulator chain) gets Triton 3.6's chained-dot layout, all 8 warps
-# along M (warpsPerCTA [8, 1]), for a 64-row tile: twice the rows of one wgmma warpgroup. At 4 warps (one warpgroup)
-# the same kernel is right; so is block_v 32 at 8 warps, but nothing in the layouts says why, so only 4 warps are kept.
-H200_SPLIT_WARPS_FAULT = ("Triton 3.6 on sm_90 gives wrong gradients and illegal shared-memory reads for chained tf32 "
-                          "products of 64 rows over 8 warps (H200, session 22)")
+# Session 22 wrote the three tf32 products out (a = a_hi + a_lo, a_hi with the 13 low mantissa bits cleared; commit
+# 08d7584, reverted). fp32 inputs passed the gate; with bf16 inputs at 8 consumer warps dk came out wrong (rel RMS
+# 0.95) or the kernel read shared memory out of bounds (compute-sanitizer: the second warpgroup), and so did one plain
+# tf32 product. At 4 warps the gates passed on the torch forward's inputs, but FLA's forward's inputs faulted again at
+# 32 x 64, and the 4-warp consumers that ran were slower than ieee at 8 warps: KDA A (1, 2048, 16) 0.5273 (64 x 64)
+# and 0.5121 (32 x 32) against 0.4580 ms (RESULTS.md, session 22; results/session22-call-{1,2,3}).
 
 
 # KDA and GDN2 on the H200 (K = V = 128, 16-bit inputs). Consumer: session 7's sliced-intra consumer at 64 x 64,

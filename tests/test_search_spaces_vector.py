@@ -124,19 +124,6 @@ def test_tf32x3_with_16bit_inputs_is_rejected_on_sm9x_only():
     assert not any("tf32x3" in r for r in vector.constraint(t3, {**dims, "dtype": "fp32"}))
 
 
-def test_written_out_tf32x3_is_rejected_on_sm9x_above_four_consumer_warps():
-    base = vector.default_schedule((9, 0), K=128, V=128, op="kda").replace(intra_precision="tf32x3_split")
-    assert base.consumer_cfg.num_warps == 8
-    for e in (2, 4):  # wrong with bf16 on the H200; fp32 passed its gate there, but the layout is the same
-        assert any("tf32x3_split" in r for r in vector.gpu_fault_reasons(base, 128, 128, e, (9, 0)))
-    w4 = base.replace(consumer_cfg={"num_warps": 4})
-    assert vector.gpu_fault_reasons(w4, 128, 128, 2, (9, 0)) == []
-    assert vector.gpu_fault_reasons(base, 128, 128, 2, (8, 0)) == []
-    dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}
-    assert any("num_warps > 4" in r for r in vector.constraint(base, dims))
-    assert not any("tf32x3" in r for r in vector.constraint(w4, dims))
-
-
 def test_scalar_constraint_rejects_the_miscompiled_recompute_stage():
     base = scalar.default_schedule((9, 0))
     bad = base.replace(recompute={"block_k": 128, "num_warps": 4})
@@ -254,8 +241,7 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         assert all(scalar.CONDITIONS[n] == ("consumer", "joint_tma") for n in tma_only)
         assert sp["intra"] == ["auto", "subchunk"] and set(sp["intra"]) <= set(INTRA_MODES)
         assert "centred" not in sp["intra"]  # unguarded: overflows on strong decays
-        assert sp["intra_precision"] == ["ieee", "tf32x3", "tf32x3_split"]
-        assert set(sp["intra_precision"]) == set(INTRA_PRECISIONS)
+        assert sp["intra_precision"] == ["ieee", "tf32x3"] and set(sp["intra_precision"]) <= set(INTRA_PRECISIONS)
         # the forward's saved Aqk is searched; the default keeps the GPU-verified recompute
         assert sp["dv_local_source"] == ["recompute", "forward"] and set(sp["dv_local_source"]) == set(DV_LOCAL_SOURCES)
         assert base.dv_local_source == "recompute"
@@ -493,7 +479,7 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         sampled = _sample(op, n=24)
         assert all("intra" in p and "cumsum.block_k" in p for _, p in sampled)
         assert {s.intra for s, _ in sampled} == {"auto", "subchunk"}
-        assert {s.intra_precision for s, _ in sampled} == {"ieee", "tf32x3", "tf32x3_split"}
+        assert {s.intra_precision for s, _ in sampled} == {"ieee", "tf32x3"}
         assert {s.dv_local_source for s, _ in sampled} == {"recompute", "forward"}
         # dv_local.block_k is read only when A_qk is recomputed: not sampled otherwise
         assert all(("dv_local.block_k" in p) == (s.dv_local_source == "recompute") for s, p in sampled)

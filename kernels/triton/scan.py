@@ -551,11 +551,14 @@ def combine_shared_memory(K: int) -> int:
 
 
 # The segment combine with the entering state carried in registers (rewy_segment_combine_carry_kernel) at this
-# many pipeline stages; 0: the kernel that re-reads it (rewy_segment_combine_kernel, the one the GPU has timed).
-# Each combine step of that one costs ~3 µs on the H200 (session 21: 10-21 µs a split scan at NS = 4-8, about 10 %
-# of KDA's backward at (1, 512, 4)); the carry kernel's loads do not wait on the previous step, so with stages > 1
-# they are prefetched. Off until benchmarks/combine_bench.py has timed both on a GPU.
-COMBINE_CARRY_STAGES = 0
+# many pipeline stages; 0: the kernel that re-reads it (rewy_segment_combine_kernel). Each combine step of that one
+# costs ~3 µs on the H200 (session 21: 10-21 µs a split scan at NS = 4-8, about 10 % of KDA's backward at
+# (1, 512, 4)); the carry kernel's loads do not wait on the previous step, so with stages > 1 they are prefetched.
+# benchmarks/combine_bench.py on the H200 (session 22), µs per launch at K = 128, reload / carry at 1, 2, 3 stages,
+# the same bits: B·H 4, NS 4: 9.13 / 7.77 / 7.44 / 7.72; NS 8: 18.90 / 15.95 / 15.43 / 15.12; B·H 16, NS 4:
+# 9.34 / 8.42 / 8.14 / 8.17. Two stages (143 KB, against 209 KB at three, which would keep a scan CTA of the side
+# stream off the SM).
+COMBINE_CARRY_STAGES = 2
 
 
 def combine_carry_shared_memory(K: int, stages: int) -> int:

@@ -81,28 +81,6 @@ def _use_centred(delta, INTRA: tl.constexpr, MAX_RANGE: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 # dv_local = A_qkᵀ dO, A_qk recomputed with per-channel decay
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def _tf32_high(x):
-    """x with the 13 low mantissa bits cleared: exact in tf32, and x - high is exact in fp32."""
-    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def fdot(a, b, acc, IPREC: tl.constexpr):
-    """acc + a @ b for fp32 operands (the intra products, §8.1). "ieee": FMA products; "tf32x3": tl.dot's own
-    three-product emulation; "tf32x3_split": the same three tensor-core products written out here, a = a_hi + a_lo
-    with a_hi exact in tf32 (a_lo·b_lo, ~2⁻²² relative, is dropped). The written-out form exists because Triton
-    3.6's tf32x3 faults in this consumer with 16-bit inputs on sm_90 (vector.H200_TF32X3_FAULT)."""
-    if IPREC == "tf32x3_split":
-        a_hi = _tf32_high(a)
-        b_hi = _tf32_high(b)
-        acc = tl.dot(a - a_hi, b_hi, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b - b_hi, acc, input_precision="tf32")
-        return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    else:
-        return tl.dot(a, b, acc, input_precision=IPREC)
-
-
 @triton.jit(do_not_specialize=["T", "H"])
 def rewy_bwd_kernel_dv_local_vector(
     q, k, G, do, dv,
@@ -133,7 +111,7 @@ def rewy_bwd_kernel_dv_local_vector(
         if _use_centred(delta, INTRA, MAX_RANGE):
             b_y = b_k * tl.exp(tl.where(m_rk, b_c[None, :] - b_g, 0.0))
             b_qa = b_qt * tl.exp(tl.where(m_kr, b_gt - b_c[:, None], 0.0))
-            b_at = fdot(b_y, b_qa, b_at, IPREC)
+            b_at += tl.dot(b_y, b_qa, input_precision=IPREC)
         else:
             # Off-diagonal blocks: column block I of i (the q side), anchored at its first row a.
             for ib in range(1, BT // BC):
@@ -143,7 +121,7 @@ def rewy_bwd_kernel_dv_local_vector(
                 b_y = b_k * tl.exp(tl.where(m_y, b_ga[None, :] - b_g, float("-inf")))
                 m_q = m_k[:, None] & ((o_i >= a) & (o_i < a + BC) & m_row)[None, :]
                 b_qa = b_qt * tl.exp(tl.where(m_q, b_gt - b_ga[:, None], float("-inf")))
-                b_at = fdot(b_y, b_qa, b_at, IPREC)
+                b_at += tl.dot(b_y, b_qa, input_precision=IPREC)
             # Diagonal blocks, exact pairwise Λ: row j meets column i(j) = block start + d.
             for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
                 o_c = blk + d
@@ -163,7 +141,7 @@ def rewy_bwd_kernel_dv_local_vector(
         m_v = m_row[:, None] & (o_v < V)[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_dv = fdot(b_at, b_do, tl.zeros([BT, BV], dtype=tl.float32), IPREC)
+        b_dv = tl.dot(b_at, b_do, input_precision=IPREC)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
 
 
@@ -394,10 +372,10 @@ def rewy_bwd_kernel_consumer_vector(
                 b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
                 b_hr = tl.load(hd + tok_j[None, :] * HS + o_i[:, None], mask=m_up, other=0.0)
                 b_dr = tl.load(d_base + tok_j[None, :] * DS + o_i[:, None], mask=m_up, other=0.0).to(tl.float32)
-                b_uq = fdot(b_hc, b_yj, b_uq, IPREC)
-                b_ue = fdot(b_dc, b_yj, b_ue, IPREC)
-                b_uy = fdot(b_hr, scale * b_qj * b_aj, b_uy, IPREC)
-                b_uy = fdot(b_dr, b_ej * b_kj * b_aj, b_uy, IPREC)
+                b_uq = tl.dot(b_hc, b_yj, b_uq, input_precision=IPREC)
+                b_ue = tl.dot(b_dc, b_yj, b_ue, input_precision=IPREC)
+                b_uy = tl.dot(b_hr, scale * b_qj * b_aj, b_uy, input_precision=IPREC)
+                b_uy = tl.dot(b_dr, b_ej * b_kj * b_aj, b_uy, input_precision=IPREC)
             b_cr = tl.where(m_rk, b_g - b_c[None, :], 0.0)
             b_xq = tl.exp(b_cr) * b_uq
             b_xe = tl.exp(b_cr) * b_ue
@@ -432,8 +410,8 @@ def rewy_bwd_kernel_consumer_vector(
                     b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_blk, other=0.0)
                     b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_blk, other=0.0).to(tl.float32)
                     b_al = tl.exp(tl.where(m_ri[:, None] & m_k[None, :], b_g - b_ga[None, :], float("-inf")))
-                    b_xq += b_al * fdot(b_hc, b_yj, tl.zeros([BT, BK], dtype=tl.float32), IPREC)
-                    b_xe += b_al * fdot(b_dc, b_yj, tl.zeros([BT, BK], dtype=tl.float32), IPREC)
+                    b_xq += b_al * tl.dot(b_hc, b_yj, input_precision=IPREC)
+                    b_xe += b_al * tl.dot(b_dc, b_yj, input_precision=IPREC)
                     # Column side: rows of J (as X_y rows) against the rows of I after them, anchored at z.
                     b_gi = tl.load(G + p_ik, mask=m_ik, other=0.0)
                     b_af = tl.exp(tl.where(m_ik, b_gi - b_gz[None, :], float("-inf")))
@@ -443,8 +421,8 @@ def rewy_bwd_kernel_consumer_vector(
                     m_bt = ((o_i >= j0) & (o_i <= z) & m_row)[:, None] & m_ii[None, :]
                     b_hr = tl.load(hd + tok_ii[None, :] * HS + o_i[:, None], mask=m_bt, other=0.0)
                     b_dr = tl.load(d_base + tok_ii[None, :] * DS + o_i[:, None], mask=m_bt, other=0.0).to(tl.float32)
-                    b_u = fdot(b_hr, scale * b_qi * b_af, tl.zeros([BT, BK], dtype=tl.float32), IPREC)
-                    b_u = fdot(b_dr, b_ei * b_ki * b_af, b_u, IPREC)
+                    b_u = tl.dot(b_hr, scale * b_qi * b_af, input_precision=IPREC)
+                    b_u = tl.dot(b_dr, b_ei * b_ki * b_af, b_u, input_precision=IPREC)
                     b_xy += b_zr * b_u
             # Diagonal blocks, exact pairwise Λ: row i meets the row c = (its block start) + d of its own block.
             for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)

@@ -15,8 +15,6 @@ if not os.environ.get("REWY_TEST_NO_INTERPRET"):
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from rewy_tune.gates import poison_allocations
 from rewy_tune.kernels.reference.chunk_forward import chunk_forward
@@ -24,10 +22,8 @@ from rewy_tune.kernels.reference.rewy_backward import rewy_backward
 from rewy_tune.kernels.triton.vector_local import (
     PATH_CENTRED,
     PATH_SUBCHUNK,
-    _tf32_high,
     dv_local_aqk,
     dv_local_vector,
-    fdot,
     rewy_backward_triton_vector,
 )
 from rewy_tune.schedule import Schedule, StageConfig
@@ -171,43 +167,16 @@ def test_joint_centred(op, T):
     assert_gates(out, oracle(x), ctx=f"{op} T{T} {policy}")
 
 
-@triton.jit
-def _fdot_kernel(a, b, out, hi, M: tl.constexpr, N: tl.constexpr, KD: tl.constexpr, IPREC: tl.constexpr):
-    o_m, o_n, o_k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, KD)
-    b_a = tl.load(a + o_m[:, None] * KD + o_k[None, :])
-    b_b = tl.load(b + o_k[:, None] * N + o_n[None, :])
-    tl.store(out + o_m[:, None] * N + o_n[None, :], fdot(b_a, b_b, tl.zeros([M, N], dtype=tl.float32), IPREC))
-    tl.store(hi + o_m[:, None] * KD + o_k[None, :], _tf32_high(b_a))
-
-
-def test_fdot_split_rebuilds_the_fp32_product():
-    # The written-out 3×tf32: a_hi is exact in tf32 (13 low mantissa bits clear) and a_hi + a_lo == a exactly;
-    # the three products give the fp32 product to ~2⁻²² (the interpreter's tf32 dot is fp32; had a term been
-    # dropped, a_hi·b_hi alone would be ~1e-3 off).
-    gen = torch.Generator().manual_seed(5)
-    a, b = torch.randn(32, 16, generator=gen), torch.randn(16, 32, generator=gen)
-    out, hi = torch.full((32, 32), float("nan")), torch.full((32, 16), float("nan"))
-    _fdot_kernel[(1,)](a, b, out, hi, M=32, N=32, KD=16, IPREC="tf32x3_split")
-    assert (hi.view(torch.int32) & 0x1FFF).eq(0).all()
-    assert torch.equal(hi + (a - hi), a)
-    ref = a.double() @ b.double()
-    err = (out.double() - ref).abs().max() / ref.abs().max()
-    assert err < 1e-6, err
-    hi_only = (hi.double() @ b.double() - ref).abs().max() / ref.abs().max()
-    assert hi_only > 1e-4, hi_only  # the split matters at this tolerance
-
-
-@pytest.mark.parametrize("precision", ["tf32x3", "tf32x3_split"])
 @pytest.mark.parametrize("decay", ["normal", "strong"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_intra_precision_tf32x3(op, decay, precision):
+def test_intra_precision_tf32x3(op, decay):
     # The interpreter computes every tl.dot in fp32 whatever input_precision says: this checks the plumbing
     # and both intra paths; whether 3×tf32 holds the gate is the GPU test's question (test_gpu_fp32_gate).
     x = make_inputs(op, 1, 100, 2, 32, 32, seed=41, decay=decay)
     paths = {}
-    out = run_triton(x, BASE.replace(intra_precision=precision), "R", paths)
+    out = run_triton(x, BASE.replace(intra_precision="tf32x3"), "R", paths)
     assert (PATH_SUBCHUNK in path_set(paths)) == (decay == "strong")
-    assert_gates(out, oracle(x), ctx=f"{op} {precision} {decay}")
+    assert_gates(out, oracle(x), ctx=f"{op} tf32x3 {decay}")
     with pytest.raises(ValueError, match="intra_precision must be one of"):
         BASE.replace(intra_precision="tf32")
 
@@ -753,7 +722,7 @@ def _gpu_schedule(KV, op, dtype=None, policy=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32x3_split"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
 @pytest.mark.parametrize("decay", ["normal", "strong"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
@@ -762,8 +731,6 @@ def test_gpu_fp32_gate(op, decay, consumer, precision):
     x = make_inputs(op, 1, 2048, 4, 128, 128, device="cuda", seed=3, decay=decay, gate_div=16.0)
     paths = {}
     sched = _gpu_schedule(128, op, "fp32").replace(consumer=consumer, intra_precision=precision)
-    if precision == "tf32x3_split":  # 4 warps: vector.H200_SPLIT_WARPS_FAULT
-        sched = sched.replace(consumer_cfg={"num_warps": 4})
     out = run_triton(x, sched, "R", paths)
     assert PATH_SUBCHUNK in path_set(paths) if decay == "strong" else path_set(paths) == {PATH_CENTRED}
     assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu fp32 {op} {decay} {consumer}")
@@ -781,28 +748,6 @@ def test_gpu_bench_shapes(op, B, T, H, policy):
     for states in ("input", "fp32"):  # bf16 per-chunk states and fp32 ones (the H200 default)
         out = run_triton(x, _gpu_schedule(128, op, policy=policy).replace(state_dtype=states), policy)
         assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H} {policy} {states} states")
-
-
-@BF16_ON_INTERPRETER
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["R", "A"], ids=["policy-R", "policy-A"])
-@pytest.mark.parametrize("op", ["kda", "gdn2"])
-@pytest.mark.parametrize("B,T,H", BENCH_SHAPES)
-def test_gpu_bench_shapes_tf32x3_split(op, B, T, H, policy):
-    # the intra products as three written-out tf32 products (vector_local.fdot) with 16-bit inputs at 4 consumer
-    # warps (8 fault: vector.H200_SPLIT_WARPS_FAULT), where Triton's own tf32x3 faults (test_gpu_tf32x3_bf16_fault); strong decay (at B·H = 4, T ≤ 2048: the float64
-    # oracle's time) also takes the sub-chunk products
-    for decay in ("normal", "strong") if B * T * H <= 8192 else ("normal",):
-        x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7,
-                        gate_div=16.0, decay=decay)
-        paths = {}
-        sched = _gpu_schedule(128, op, policy=policy).replace(intra_precision="tf32x3_split",
-                                                               consumer_cfg={"block_k": 32, "num_warps": 4})
-        out = run_triton(x, sched, policy, paths)
-        assert PATH_SUBCHUNK in path_set(paths) if decay == "strong" else path_set(paths) == {PATH_CENTRED}
-        assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu split {op} {B},{T},{H} {policy} {decay}")
-        again = run_triton(x, sched, policy)
-        assert_same_bits(out, again, ctx=f"gpu split run twice {op} {B},{T},{H} {policy} {decay}")
 
 
 @BF16_ON_INTERPRETER
