@@ -89,6 +89,10 @@ def variants_for(op: str, base):
         # Under A the reverse scan runs alone; at 32 wide the one-wave rule splits it in 4 segments of 16 chunks
         # there, where session 10's 64-wide tiles ran 8 segments of 8 (16 programs each)
         out["rscan-bv64"] = base.replace(reverse_scan={"block_v": 64})
+        # session 22 (not yet timed): at (1, 512, 4) KDA/GDN2 are still slower than FLA and the consumer's 32 chunk
+        # programs run two per chunk (auto). 32-wide feature tiles allow four, 128 programs in one wave of 132 CTAs
+        out["cons-32x64-k4"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=4)
+        out["cons-32x64-k2"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=2)
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:
