@@ -15,6 +15,8 @@
 # segment-combine kernels timed apart, COMBINE_S seconds).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
+# TCACHE_SAVE=1 returns Triton's compile cache (binaries and metadata) as $OUT/tcache.tgz.part-*; put them in .tcache/
+# (ignored) and carry it: a later call on a cold host starts with every kernel compiled (same Triton, same sources).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
 # a one-worker campaign on GPU 0. The background steps write under bg/ (OUT and results); BG_SWEEP_OPS gives them
 # their own operator for a sweep (e.g. STEPS=sweep SWEEP_OPS=gdn BG_STEPS=sweep BG_SWEEP_OPS=deltanet).
@@ -27,6 +29,18 @@ rm -rf build ./*.egg-info  # a stale build/ from an earlier call would be instal
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 || exit 4
 # A host can keep /tmp from an earlier call (session 6 found session 5's bench files there): start RES empty unless
 # KEEP_RESULTS=1 (e.g. a campaign continued with --resume, or promoted against the previous call's winners).
+# Triton's compile cache from an earlier call (TCACHE_SAVE=1 below; carry .tcache): a cold host otherwise spends
+# 200-250 s of a call compiling fla-core's autotuning configurations and our kernels again (session 22). Kept: the
+# binaries and their metadata, which is all a cache hit reads. The group files name absolute paths: rewritten here.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
+if ls .tcache/tcache.tgz.part-* >/dev/null 2>&1; then
+  mkdir -p "$TRITON_CACHE_DIR" && cat .tcache/tcache.tgz.part-* | tar xzf - -C "$TRITON_CACHE_DIR"
+  old=$(cat "$TRITON_CACHE_DIR/.prefix" 2>/dev/null)
+  if [ -n "$old" ] && [ "$old" != "$TRITON_CACHE_DIR" ]; then
+    grep -rlF --include='__grp__*' "$old" "$TRITON_CACHE_DIR" | xargs -r sed -i "s#$old#$TRITON_CACHE_DIR#g"
+  fi
+  echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) binaries carried in"
+fi
 OUT=${OUT:-/tmp/out}; RES=/tmp/results
 [ "${KEEP_RESULTS:-0}" = 1 ] || rm -rf "$RES"
 mkdir -p "$OUT" "$RES"
@@ -109,3 +123,9 @@ fi
 for s in ${STEPS:-tests bench}; do "step_$s"; done
 if [ -n "$bg" ]; then wait "$bg"; echo "--- background steps (GPU ${BG_GPU:-1}): $BG_STEPS"; cat "$OUT/background.log"; fi
 tar czf "$OUT/results.tgz" -C "$RES" .
+if [ "${TCACHE_SAVE:-0}" = 1 ]; then  # $OUT/tcache.tgz.part-*: back here, then `mkdir -p .tcache; cp FILES_AT/tcache* .tcache/`
+  echo "$TRITON_CACHE_DIR" > "$TRITON_CACHE_DIR/.prefix"
+  (cd "$TRITON_CACHE_DIR" && find . \( -name '*.cubin' -o -name '*.json' -o -name .prefix \) -print0 \
+    | tar czf - --null -T - | split -b 15m - "$OUT/tcache.tgz.part-")
+  ls -la "$OUT"/tcache.tgz.part-* | awk '{print "triton cache out:", $5, $9}'
+fi
