@@ -540,12 +540,14 @@ class TestSharedStagesGPU:
 
 def test_constraint_rejects_segments_whose_combine_kernel_cannot_fit():
     # The combine kernel runs only when a scan is split (num_segments > 1); its shared memory is modelled from K.
-    from rewy_tune.kernels.triton.scan import combine_shared_memory as kernel_combine_smem
+    from rewy_tune.kernels.triton.scan import combine_carry_shared_memory, combine_shared_memory as reload_smem
     from rewy_tune.search_spaces.scalar import combine_shared_memory, constraint, default_schedule
 
     base = default_schedule((9, 0)).replace(forward_scan_segments=1, reverse_scan_segments=1)
     need = combine_shared_memory(128)
-    assert need == kernel_combine_smem(128) == 24576  # the sm_90 compile at K = 128 (scan.py header)
+    # the default carry kernel at its fewest stages (sm_90 compiles at K = 128); the reload kernel fits in less
+    assert need == combine_carry_shared_memory(128, 1) == 28672 and reload_smem(128) == 24576
+    assert all(combine_shared_memory(k) == combine_carry_shared_memory(k, 1) for k in (32, 64, 100, 256))
     for name in ("forward_scan_segments", "reverse_scan_segments"):
         for nseg in (2, 4, 8):
             sched = base.replace(**{name: nseg})
