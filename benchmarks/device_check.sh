@@ -31,7 +31,8 @@ python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --
 # KEEP_RESULTS=1 (e.g. a campaign continued with --resume, or promoted against the previous call's winners).
 # Triton's compile cache from an earlier call (TCACHE_SAVE=1 below; carry .tcache): a cold host otherwise spends
 # 200-250 s of a call compiling fla-core's autotuning configurations and our kernels again (session 22). Kept: the
-# binaries and their metadata, which is all a cache hit reads. The group files name absolute paths: rewritten here.
+# binaries and their metadata, which is all a cache hit reads (not fla-core's autotuning picks: each process that
+# measures times its own, fla_baseline.autotune_here). The group files name absolute paths: rewritten here.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
 if ls .tcache/tcache.tgz.part-* >/dev/null 2>&1; then
   mkdir -p "$TRITON_CACHE_DIR" && cat .tcache/tcache.tgz.part-* | tar xzf - -C "$TRITON_CACHE_DIR"
@@ -125,7 +126,7 @@ if [ -n "$bg" ]; then wait "$bg"; echo "--- background steps (GPU ${BG_GPU:-1}):
 tar czf "$OUT/results.tgz" -C "$RES" .
 if [ "${TCACHE_SAVE:-0}" = 1 ]; then  # $OUT/tcache.tgz.part-*: back here, then `mkdir -p .tcache; cp FILES_AT/tcache* .tcache/`
   echo "$TRITON_CACHE_DIR" > "$TRITON_CACHE_DIR/.prefix"
-  (cd "$TRITON_CACHE_DIR" && find . \( -name '*.cubin' -o -name '*.json' -o -name .prefix \) -print0 \
+  (cd "$TRITON_CACHE_DIR" && find . \( -name '*.cubin' -o -name '*.json' -o -name .prefix \) ! -name '*.autotune.json' -print0 \
     | tar czf - --null -T - | split -b 15m - "$OUT/tcache.tgz.part-")
   ls -la "$OUT"/tcache.tgz.part-* | awk '{print "triton cache out:", $5, $9}'
 fi
