@@ -3,8 +3,9 @@
     python -P benchmarks/combine_bench.py [--json OUT]
 
 For each (B·H, segments) a split scan launches at the bench shapes, K = V = 128, fp32 transfer matrices and tf32
-products (the bf16 pipeline's): the reload kernel (the default) and the carry kernel at 1-3 stages, each replayed
-as a CUDA graph of 20 launches, medians of 15 graphs, and whether every output equals the reload kernel's bits.
+products (the bf16 pipeline's): the reload kernel and the carry kernel at 1-3 stages (the default since session 22:
+2), each replayed as a CUDA graph of 20 launches, medians of 15 replays, and whether every output equals the reload
+kernel's bits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import statistics
 import torch
 import triton
 
+from rewy_tune import measure
 from rewy_tune.kernels.triton import scan
 
 # (B·H, NS): KDA/GDN2 A at (1, 512, 4) 64-wide reverse scan: 8 programs -> 4 segments of 2 chunks; (1, 4096, 8) and
@@ -32,21 +34,14 @@ def _launch(kernel, stages, X, first, h_in, NS):
 
 
 def _time_us(fn, launches=20, graphs=15) -> float:
+    """Median µs per launch of fn over `graphs` replays of one CUDA graph of `launches` launches."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(launches):
             fn()
-    out = []
-    for _ in range(graphs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1000 / launches)
-    return statistics.median(out)
+    return statistics.median(measure._time_graphs([g], graphs)[0]) * 1000 / launches
 
 
 def main() -> None:

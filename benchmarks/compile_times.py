@@ -17,7 +17,8 @@ launches that one backward of an operator makes with a given schedule:
                                        [--dtype bf16|fp32] [--gate] [--sass KERNEL,...] [--kernels REGEX]
 
 --sass prints the named kernels' static SASS opcode counts (nvdisasm): spill loads/stores, barriers, tensor-core
-and global-memory instructions.
+and global-memory instructions. With SASS_DUMP=DIR it also writes their SASS listings there, with IR_DUMP=DIR their
+Triton GPU IR (.ttgir: the layouts each tl.dot was given) and PTX.
 
 --gate records what one GPU trial of the tuner compiles instead: the gate's validation cases
 (`trial_worker.validation_cases`) and the warm-up at a workload shape (no initial state, as the benchmark).
@@ -177,14 +178,23 @@ def compile_sm90(kernel, sig: dict, consts: dict, attrs: dict, opts: dict):
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def print_sass(name: str, opts: dict, cubin: bytes) -> None:
-    """The opcode mix of one compiled kernel, and with SASS_DUMP=DIR its whole listing (to read a loop body)."""
-    print(f"{name} {opts}: {_instruction_mix(cubin)}")
-    if os.environ.get("SASS_DUMP"):
-        path = os.path.join(os.environ["SASS_DUMP"], f"{name}-w{opts.get('num_warps')}-s{opts.get('num_stages')}.sass")
+def _dump(env: str, name: str, opts: dict, ext: str, text) -> None:
+    """Write text() to DIR/NAME-wW-sS.EXT where the environment variable env names DIR."""
+    folder = os.environ.get(env)
+    if folder:
+        path = os.path.join(folder, f"{name}-w{opts.get('num_warps')}-s{opts.get('num_stages')}.{ext}")
         with open(path, "w") as f:
-            f.write(_cubin_tool("nvdisasm", "-c", cubin))
-        print(f"   SASS written to {path}")
+            f.write(text())
+        print(f"   written to {path}")
+
+
+def print_sass(name: str, opts: dict, cubin: bytes, asm: dict | None = None) -> None:
+    """The opcode mix of one compiled kernel; with SASS_DUMP=DIR its whole listing (to read a loop body), and with
+    IR_DUMP=DIR and the compiled kernel's asm its Triton GPU IR and PTX (to read how a product was lowered)."""
+    print(f"{name} {opts}: {_instruction_mix(cubin)}")
+    _dump("SASS_DUMP", name, opts, "sass", lambda: _cubin_tool("nvdisasm", "-c", cubin))
+    for ext in ("ttgir", "ptx") if asm is not None else ():
+        _dump("IR_DUMP", name, opts, ext, lambda: asm[ext])
 
 
 def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[str, float, int]]:
@@ -211,11 +221,7 @@ def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[s
         c = compile_sm90(kernel, sig, consts, attrs, opts)
         out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
         if rec["name"] in sass:
-            print_sass(rec["name"], opts, c.asm["cubin"])
-            if os.environ.get("IR_DUMP"):  # Triton's GPU IR and the PTX, to read how a product was lowered
-                for ext in ("ttgir", "ptx"):
-                    with open(os.path.join(os.environ["IR_DUMP"], f"{rec['name']}.{ext}"), "w") as f:
-                        f.write(c.asm[ext])
+            print_sass(rec["name"], opts, c.asm["cubin"], c.asm)
     return out
 
 

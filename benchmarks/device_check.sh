@@ -27,8 +27,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 REWY_TEST_NO_INTERPRET=1
 rm -rf build ./*.egg-info  # a stale build/ from an earlier call would be installed instead of the source
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null 2>&1 || exit 4
-# A host can keep /tmp from an earlier call (session 6 found session 5's bench files there): start RES empty unless
-# KEEP_RESULTS=1 (e.g. a campaign continued with --resume, or promoted against the previous call's winners).
 # Triton's compile cache from an earlier call (TCACHE_SAVE=1 below; carry .tcache): a cold host otherwise spends
 # 200-250 s of a call compiling fla-core's autotuning configurations and our kernels again (session 22). Kept: the
 # binaries and their metadata, which is all a cache hit reads (not fla-core's autotuning picks: each process that
@@ -42,6 +40,8 @@ if ls .tcache/tcache.tgz.part-* >/dev/null 2>&1; then
   fi
   echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) binaries carried in"
 fi
+# A host can keep /tmp from an earlier call (session 6 found session 5's bench files there): start RES empty unless
+# KEEP_RESULTS=1 (e.g. a campaign continued with --resume, or promoted against the previous call's winners).
 OUT=${OUT:-/tmp/out}; RES=/tmp/results
 [ "${KEEP_RESULTS:-0}" = 1 ] || rm -rf "$RES"
 mkdir -p "$OUT" "$RES"
