@@ -93,12 +93,21 @@ step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only
   for side in ours fla; do
     if [ "$side" = ours ]; then kern=${NCU_KERNELS:-rewy_bwd_kernel_(dv_local_vector|consumer_vector)}; file=ncu.txt; flag=
     else kern=${NCU_FLA_KERNELS:-}; file=ncu-fla.txt; flag=--fla; [ -n "$kern" ] || continue; fi
+    # NCU_SOURCE=1: also keep the report and write its per-instruction page (SASS with warp-stall samples) as
+    # ncu-source[-fla].csv; the addresses match a CPU compile's SASS (compile_times.py, SASS_DUMP) of the same kernel.
+    local rep=()
+    [ "${NCU_SOURCE:-0}" = 1 ] && rep=(--section SourceCounters -o "$RES/${file%.txt}" -f)
     timeout "${NCU_S:-300}" "$ncu" --clock-control none --profile-from-start off --target-processes all -k "regex:$kern" -c "${NCU_COUNT:-4}" \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-      python3 benchmarks/one_backward.py --op "${NCU_OP:-kda}" --policy "${NCU_POLICY:-R}" $flag \
+      "${rep[@]}" python3 benchmarks/one_backward.py --op "${NCU_OP:-kda}" --policy "${NCU_POLICY:-R}" $flag \
       --shape "${NCU_SHAPE:-1,8192,16}" --reps 2 > "$RES/$file" 2>&1
     echo "ncu $side rc=$?"
+    if [ "${NCU_SOURCE:-0}" = 1 ]; then  # the report's text pages, as the run without -o would have printed them
+      "$ncu" -i "$RES/${file%.txt}.ncu-rep" --page details >> "$RES/$file" 2>&1
+      "$ncu" -i "$RES/${file%.txt}.ncu-rep" --page source --csv --print-source sass > "$RES/${file%.txt}-source.csv" 2>&1
+      echo "ncu source page rc=$? ($(wc -l < "$RES/${file%.txt}-source.csv") lines)"
+    fi
     grep -E "^  [a-z_]+|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|Local Memory|==ERR" "$RES/$file" | head -40
     # stall reasons (cycles per issued instruction), the largest first, per kernel launch
     awk '/^  [a-z_]+/ {k=$1} /issue_stalled_.*per_issue_active/ {n=$1; sub(/smsp__average_warps_issue_stalled_/,"",n);
