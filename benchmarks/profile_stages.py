@@ -93,6 +93,14 @@ def variants_for(op: str, base):
         # programs run two per chunk (auto). 32-wide feature tiles allow four, 128 programs in one wave of 132 CTAs
         out["cons-32x64-k4"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=4)
         out["cons-32x64-k2"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=2)
+        # session 23: ncu of the 8-warp consumer (KDA A (1, 2048, 16)): 255 registers, one CTA (8 warps) per SM, 6.4
+        # cycles per issued instruction, most of them waiting on loads (phase 1, the inter V loop) and barriers; the
+        # fp32 intra products are 32 % of the stall samples. 16 warps: 128 registers (sm_90 compile on a CPU; stack
+        # 400 B at 64 x 64, 160 B at 32 x 64), twice the warps per scheduler to hide the same latencies
+        for name, cfg in (("cons-w16", {"num_warps": 16}), ("cons-w16-32x64", {"num_warps": 16, "block_k": 32}),
+                          ("cons-w16-32x64-s2", {"num_warps": 16, "block_k": 32, "num_stages": 2}),
+                          ("cons-w16-64x32", {"num_warps": 16, "block_v": 32})):
+            out[name] = base.replace(consumer_cfg=cfg)
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:

@@ -710,15 +710,36 @@ BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048
 
 
 def _gpu_schedule(KV, op, dtype=None, policy=None):
+    """The device's built-in default for this operator, dtype and policy, with REWY_TEST_GPU_SET's fields changed
+    on top ("FIELD=VALUE ...", as `rewy-tune bench --set`): a candidate change to the vector defaults passes the GPU
+    suite under both policies before it is adopted."""
     try:
         from rewy_tune.search_spaces import default_schedule
 
-        return default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, op=op, dtype=dtype, policy=policy)
+        sched = default_schedule(torch.cuda.get_device_capability(), K=KV, V=KV, op=op, dtype=dtype, policy=policy)
     except ImportError:
         tile = max(128, KV)  # the scans hold all K rows; one pipeline stage keeps fp32 operands in shared memory
         one = lambda bk=64: StageConfig(bk, 64, 4, 1)
         return Schedule(recompute=one(), forward_scan=one(tile), dv_local=one(), reverse_scan=one(tile),
                         producer=one(), consumer_cfg=one(), cumsum=one())
+    changes = os.environ.get("REWY_TEST_GPU_SET")
+    if changes:
+        from rewy_tune.cli.bench import apply_overrides, parse_overrides
+
+        sched = apply_overrides(sched, parse_overrides([changes]))
+    return sched
+
+
+def test_gpu_schedule_takes_the_set_fields(monkeypatch):
+    # (CPU) the override the device's GPU runs use to gate a candidate: applied on top of each default
+    import rewy_tune.search_spaces as spaces
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    plain = spaces.default_schedule((9, 0), K=128, V=128, op="kda", policy="A")
+    monkeypatch.setenv("REWY_TEST_GPU_SET", "consumer_cfg.num_warps=16 consumer_cfg.block_k=32")
+    got = _gpu_schedule(128, "kda", policy="A")
+    assert got == plain.replace(consumer_cfg={"num_warps": 16, "block_k": 32})
+    assert got.reverse_scan == plain.reverse_scan  # policy A's own default underneath
 
 
 @pytest.mark.gpu
