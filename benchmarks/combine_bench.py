@@ -1,11 +1,11 @@
-"""Time the two segment-combine kernels on a GPU (issue #4's small shapes; scan.COMBINE_CARRY_STAGES).
+"""Time the segment-combine kernel's pipeline stages on a GPU (issue #4's small shapes; scan.COMBINE_CARRY_STAGES).
 
     python -P benchmarks/combine_bench.py [--json OUT]
 
 For each (B·H, segments) a split scan launches at the bench shapes, K = V = 128, fp32 transfer matrices and tf32
-products (the bf16 pipeline's): the reload kernel and the carry kernel at 1-3 stages (the default since session 22:
-2), each replayed as a CUDA graph of 20 launches, medians of 15 replays, and whether every output equals the reload
-kernel's bits.
+products (the bf16 pipeline's): the kernel at 1-3 stages (the default since session 22: 2), each replayed as a CUDA
+graph of 20 launches, medians of 15 replays, and whether every output equals the one-stage bits. (Session 22 timed the
+kernel that re-read the state after a barrier beside it, deleted in session 23: benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ CASES = [(4, 4), (4, 8), (8, 8), (16, 4)]
 K = V = 128
 
 
-def _launch(kernel, stages, X, first, h_in, NS):
+def _launch(stages, X, first, h_in, NS):
     KB, NB = scan._state_blocks(K)
-    kernel[(triton.cdiv(V, scan.COMBINE_BV), h_in.shape[0])](
+    scan.rewy_segment_combine_carry_kernel[(triton.cdiv(V, scan.COMBINE_BV), h_in.shape[0])](
         X, first, h_in, H=h_in.shape[0], K=K, V=V, VP=V, NS=NS, KB=KB, NB=NB, BV=scan.COMBINE_BV,
-        USE_FIRST=True, REVERSE=True, PREC="tf32", num_warps=4, num_stages=max(1, stages))
+        USE_FIRST=True, REVERSE=True, PREC="tf32", num_warps=4, num_stages=stages)
 
 
 def _time_us(fn, launches=20, graphs=15) -> float:
@@ -50,20 +50,19 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("combine_bench.py needs a CUDA GPU")
-    variants = [("reload", scan.rewy_segment_combine_kernel, 0)] + [
-        (f"carry-s{n}", scan.rewy_segment_combine_carry_kernel, n) for n in (1, 2, 3)]
+    variants = [(f"carry-s{n}", n) for n in (1, 2, 3)]
     rows = []
-    print(f"{'B*H':>4} {'NS':>3} " + " ".join(f"{n:>12}" for n, _, _ in variants) + "   (µs per launch; = bits)")
+    print(f"{'B*H':>4} {'NS':>3} " + " ".join(f"{n:>12}" for n, _ in variants) + "   (µs per launch; = bits)")
     for bh, ns in CASES:
         gen = torch.Generator(device="cuda").manual_seed(bh * 10 + ns)
         X = torch.randn(bh, ns, K, V + K, device="cuda", generator=gen) * 0.05
         first = torch.randn(bh, K, V, device="cuda", generator=gen)
         ref = None
         cells, row = [], {"bh": bh, "ns": ns}
-        for name, kernel, stages in variants:
+        for name, stages in variants:
             h_in = torch.full((bh, ns, K, V), float("nan"), device="cuda")
             try:
-                us = _time_us(lambda: _launch(kernel, stages, X, first, h_in, ns))
+                us = _time_us(lambda: _launch(stages, X, first, h_in, ns))
             except Exception as exc:  # noqa: BLE001 - e.g. shared memory over the device's limit: recorded
                 cells.append(f"{'failed':>12}")
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -11,8 +11,8 @@
 # (benchmarks/enumerate_space.py: every schedule of a small space timed once), ncu (hardware
 # counters of one backward's local kernels, benchmarks/one_backward.py; NCU_FLA_KERNELS adds FLA's), models
 # (benchmarks/model_check.py; needs FLA's model package carried too, which the image lacks (session 18):
-# bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0), combine (benchmarks/combine_bench.py: the two
-# segment-combine kernels timed apart, COMBINE_S seconds).
+# bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0), combine (benchmarks/combine_bench.py: the
+# segment-combine kernel at 1-3 stages, COMBINE_S seconds).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # TCACHE_SAVE=1 returns Triton's compile cache (binaries and metadata) as $OUT/tcache.tgz.part-*; put them in .tcache/
@@ -114,7 +114,7 @@ step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only
       sub(/_per_issue_active.ratio/,"",n); if ($NF+0 > 0.3) print k, n, $NF}' "$RES/$file" | sort -k1,1 -k3,3nr | head -40
   done
 }
-step_combine() {  # the two segment-combine kernels timed apart (benchmarks/combine_bench.py, scan.COMBINE_CARRY_STAGES)
+step_combine() {  # the segment-combine kernel at 1-3 stages (benchmarks/combine_bench.py, scan.COMBINE_CARRY_STAGES)
   timeout "${COMBINE_S:-150}" python3 benchmarks/combine_bench.py --json "$RES/combine.json" > "$OUT/combine.log" 2>&1
   echo "combine rc=$?"; grep -vE "Warning|warn" "$OUT/combine.log" | tail -12
 }

@@ -181,9 +181,8 @@ def combine_shared_memory(K: int) -> int:
     """Shared-memory bytes of the segment-combine kernel that every num_segments > 1 launches, at the fewest stages
     its launcher takes (more only where they fit the device): the carry kernel at one stage, fp32 [KB, KB] block
     of the transfer matrix plus NB + 1 [KB, 16] tiles (the state blocks and the bias), KB = min(64, K rounded up to a
-    power of two), NB = ceil(K / KB) (kernels/triton/scan.py combine_carry_shared_memory; sm_90 K = 128: 28 672 B;
-    the reload kernel, COMBINE_CARRY_STAGES = 0, needs less: 24 576 B). Before the combine kernel was tiled it held
-    the whole K×K matrix, 245 760 B at K = 128 on the H200."""
+    power of two), NB = ceil(K / KB) (kernels/triton/scan.py combine_carry_shared_memory; sm_90 K = 128: 28 672 B).
+    Before the combine kernel was tiled it held the whole K×K matrix, 245 760 B at K = 128 on the H200."""
     KB = min(64, max(16, _pow2_ceil(K)))
     NB = -(-K // KB)
     return (KB * KB + (NB + 1) * KB * COMBINE_BV) * 4

@@ -405,55 +405,11 @@ def _combine_first_block(h_first, h_dst, i_bh, cols, m_c, ib: tl.constexpr, K: t
     return b_f
 
 
-@triton.jit(do_not_specialize=["H"])
-def rewy_segment_combine_kernel(
-    X, h_first, h_in,
-    H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
-    KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr, REVERSE: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # Serial over segments: entering state of each segment from its neighbour's transfer matrix and bias.
-    # forward: h_in[0] = h0,  h_in[s+1] = Ψ_s h_in[s] + b_s;  reverse: h_in[NS-1] = dht, h_in[s-1] = Φ_s h_in[s] + b_s.
-    # Tiles are [KB, KB] blocks of Ψ times [KB, BV] blocks of the previous entering state, which is read back
-    # from h_in (this program wrote it; a CTA barrier orders the write before the read). Shared memory is then
-    # (KB² + KB·BV)·4 B at any K, instead of the K×K transfer matrix (64 KiB at K = 128) times the stages.
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    XW: tl.constexpr = VP + K
-    cols = i_c * BV + tl.arange(0, BV)
-    m_c = cols < V
-    p_first = h_in + (i_bh * NS + (NS - 1 if REVERSE else 0)) * K * V
-    for ib in tl.static_range(NB):
-        _combine_first_block(h_first, p_first, i_bh, cols, m_c, ib, K, V, KB, BV, USE_FIRST)
-    for i in range(0, NS - 1):
-        tl.debug_barrier()
-        if REVERSE:
-            s_src = NS - 1 - i
-            s_dst = s_src - 1
-        else:
-            s_src = i
-            s_dst = i + 1
-        p_x = X + (i_bh * NS + s_src) * K * XW
-        p_src = h_in + (i_bh * NS + s_src) * K * V
-        for ib in tl.static_range(NB):
-            o_i = ib * KB + tl.arange(0, KB)
-            m_i = o_i < K
-            m_ic = m_i[:, None] & m_c[None, :]
-            b_x = tl.load(p_x + o_i[:, None] * XW + cols[None, :], mask=m_ic, other=0.0)
-            for jb in tl.static_range(NB):
-                o_j = jb * KB + tl.arange(0, KB)
-                m_j = o_j < K
-                b_t = tl.load(p_x + o_i[:, None] * XW + VP + o_j[None, :], mask=m_i[:, None] & m_j[None, :],
-                              other=0.0)
-                b_p = tl.load(p_src + o_j[:, None] * V + cols[None, :], mask=m_j[:, None] & m_c[None, :], other=0.0)
-                b_x = _mma(b_t, b_p, b_x, PREC)
-            tl.store(h_in + (i_bh * NS + s_dst) * K * V + o_i[:, None] * V + cols[None, :], b_x, mask=m_ic)
-
-
 @triton.jit
 def _combine_next_block(p_x, p_dst, cols, m_c, b0, b1, b2, b3, ib: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         XW: tl.constexpr, VP: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr):
-    # rows [ib·KB, ib·KB + KB) of the next entering state: the bias rows plus Σ_j Ψ[ib, j] · state block j, in the
-    # order rewy_segment_combine_kernel sums them (the same bits); stored and returned
+    # rows [ib·KB, ib·KB + KB) of the next entering state: the bias rows plus Σ_j Ψ[ib, j] · state block j, summed in
+    # block order j (the same bits at any number of stages); stored and returned
     o_i = ib * KB + tl.arange(0, KB)
     m_i = o_i < K
     m_ic = m_i[:, None] & m_c[None, :]
@@ -481,9 +437,13 @@ def rewy_segment_combine_carry_kernel(
     KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr, REVERSE: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    # rewy_segment_combine_kernel with the entering state carried in registers (NB ≤ 4 blocks of [KB, BV]) instead
-    # of re-read from h_in after a CTA barrier. A step's loads (Ψ_s and b_s) then depend only on the segment index,
-    # so the loop's num_stages > 1 prefetches the next segments' Ψ tiles (cp.async) while this one multiplies.
+    # Serial over segments: entering state of each segment from its neighbour's transfer matrix and bias.
+    # forward: h_in[0] = h0,  h_in[s+1] = Ψ_s h_in[s] + b_s;  reverse: h_in[NS-1] = dht, h_in[s-1] = Φ_s h_in[s] + b_s.
+    # Tiles are [KB, KB] blocks of Ψ times [KB, BV] blocks of the entering state, which is carried in registers
+    # (NB ≤ 4 blocks): shared memory is then (KB² + (NB + 1)·KB·BV)·4 B at one stage, at any K, instead of the K×K
+    # transfer matrix. A step's loads (Ψ_s and b_s) depend only on the segment index, so the loop's num_stages > 1
+    # prefetches the next segments' Ψ tiles (cp.async) while this one multiplies. (Until session 23 a kernel that
+    # re-read the state from h_in after a CTA barrier did this, 1.2-3.5 µs slower per launch on the H200.)
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     XW: tl.constexpr = VP + K
     cols = i_c * BV + tl.arange(0, BV)
@@ -543,21 +503,12 @@ def _state_blocks(K: int) -> tuple[int, int]:
 COMBINE_BV = 16
 
 
-def combine_shared_memory(K: int) -> int:
-    """Shared-memory bytes of rewy_segment_combine_kernel: fp32 [KB, KB] block of Ψ plus the [KB, BV] state block
-    and its dot-operand copy, one stage (sm_90 compile at K = 128: 24 576 B, exactly this)."""
-    KB, _ = _state_blocks(K)
-    return (KB * KB + 2 * KB * COMBINE_BV) * 4
-
-
-# The segment combine with the entering state carried in registers (rewy_segment_combine_carry_kernel) at this
-# many pipeline stages; 0: the kernel that re-reads it (rewy_segment_combine_kernel). Each combine step of that one
-# costs ~3 µs on the H200 (session 21: 10-21 µs a split scan at NS = 4-8, about 10 % of KDA's backward at
-# (1, 512, 4)); the carry kernel's loads do not wait on the previous step, so with stages > 1 they are prefetched.
-# benchmarks/combine_bench.py on the H200 (session 22), µs per launch at K = 128, reload / carry at 1, 2, 3 stages,
-# the same bits: B·H 4, NS 4: 9.13 / 7.77 / 7.44 / 7.72; NS 8: 18.90 / 15.95 / 15.43 / 15.12; B·H 16, NS 4:
-# 9.34 / 8.42 / 8.14 / 8.17. Two stages (143 KB, against 209 KB at three, which would keep a scan CTA of the side
-# stream off the SM).
+# Pipeline stages of the segment combine (rewy_segment_combine_carry_kernel), at least 1. benchmarks/combine_bench.py
+# on the H200 (session 22), µs per launch at K = 128, the reload kernel it replaced / 1, 2, 3 stages, the same bits:
+# B·H 4, NS 4: 9.13 / 7.77 / 7.44 / 7.72; NS 8: 18.90 / 15.95 / 15.43 / 15.12; B·H 16, NS 4: 9.34 / 8.42 / 8.14 /
+# 8.17. Two stages (143 KB, against 209 KB at three, which would keep a scan CTA of the side stream off the SM).
+# End to end (session 23, rewy-tune bench, policy A): KDA (1, 512, 4) 0.0952 -> 0.0916 ms, (1, 2048, 4) 0.1576 ->
+# 0.1530; GDN2 0.0977 -> 0.0926, 0.1643 -> 0.1589.
 COMBINE_CARRY_STAGES = 2
 
 
@@ -577,10 +528,10 @@ def _cuda_smem(index: int) -> int:
 
 
 def combine_carry_stages(K: int, device: torch.device, stages: int | None = None) -> int:
-    """The carry kernel's stages for head dim K on `device` (stages None: COMBINE_CARRY_STAGES; 0: the reload
-    kernel): the most ≤ stages whose shared memory fits the device's opt-in limit, at least one."""
-    stages = COMBINE_CARRY_STAGES if stages is None else stages
-    if stages <= 1 or device.type != "cuda":
+    """The combine kernel's stages for head dim K on `device` (stages None: COMBINE_CARRY_STAGES): the most ≤ stages
+    whose shared memory fits the device's opt-in limit, at least one."""
+    stages = max(1, COMBINE_CARRY_STAGES if stages is None else stages)
+    if stages == 1 or device.type != "cuda":
         return stages
     limit = _cuda_smem(device.index if device.index is not None else torch.cuda.current_device())
     while stages > 1 and combine_carry_shared_memory(K, stages) > limit:
@@ -593,11 +544,7 @@ def _segment_combine(X, first, h_in, *, H, K, V, VP, NS, KB, NB, reverse, prec, 
     grid = (triton.cdiv(V, COMBINE_BV), h_in.shape[0])
     args = dict(H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=first is not None,
                 REVERSE=reverse, PREC=prec, num_warps=num_warps)
-    stages = combine_carry_stages(K, h_in.device)
-    if stages > 0:
-        rewy_segment_combine_carry_kernel[grid](X, first, h_in, num_stages=stages, **args)
-    else:
-        rewy_segment_combine_kernel[grid](X, first, h_in, num_stages=1, **args)
+    rewy_segment_combine_carry_kernel[grid](X, first, h_in, num_stages=combine_carry_stages(K, h_in.device), **args)
 
 
 # A segment spans at least this many chunks. Latency ≈ 2·NT/NS + NS chunk steps is lowest near NS = sqrt(2·NT),

@@ -316,10 +316,11 @@ def test_reverse_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state
 @pytest.mark.parametrize("K,V,NS", [(32, 40, 2), (64, 64, 3), (128, 48, 5), (256, 16, 3)])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("first", [False, True])
-def test_segment_combine_carry_kernel_gives_the_reload_kernels_bits(K, V, NS, reverse, first):
-    # The two combine kernels (scan.COMBINE_CARRY_STAGES picks one) form the same sums in the same order: every
-    # segment's entering state equal bit for bit, on outputs poisoned with NaN, at one to four 64-row state blocks
-    # (K 32-256), a V that is not a multiple of the 16-column tile, and each direction, with or without h0 / dht
+def test_segment_combine_kernel_forms_the_recurrence(K, V, NS, reverse, first):
+    # The combine kernel (scan.COMBINE_CARRY_STAGES stages) against the recurrence in float64, h_in[next] = Ψ h_in[this]
+    # + b in the scan's direction, on outputs poisoned with NaN, at one to four 64-row state blocks (K 32-256), a V
+    # that is not a multiple of the 16-column tile, each direction, with or without h0 / dht; and the same bits at
+    # one, two and three stages (the stages only prefetch)
     from rewy_tune.kernels.triton import scan
 
     B_H, H, BV = 3, 3, scan.COMBINE_BV
@@ -329,29 +330,27 @@ def test_segment_combine_carry_kernel_gives_the_reload_kernels_bits(K, V, NS, re
     X = (torch.randn(B_H, NS, K, VP + K, generator=gen) * 0.3).to(DEV)
     h_first = torch.randn(B_H // H, H, K, V, generator=gen).to(DEV) if first else None
     out = {}
-    for stages in (0, 1, 2):
+    for stages in (1, 2, 3):
         h_in = torch.full((B_H, NS, K, V), float("nan"), device=DEV)
-        kernel = scan.rewy_segment_combine_carry_kernel if stages else scan.rewy_segment_combine_kernel
-        kernel[(triton.cdiv(V, BV), B_H)](X, h_first, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=BV,
-                                          USE_FIRST=first, REVERSE=reverse, PREC="ieee", num_warps=4,
-                                          num_stages=max(1, stages))
+        scan.rewy_segment_combine_carry_kernel[(triton.cdiv(V, BV), B_H)](
+            X, h_first, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=BV, USE_FIRST=first, REVERSE=reverse,
+            PREC="ieee", num_warps=4, num_stages=stages)
         assert torch.isfinite(h_in).all(), stages
         out[stages] = h_in
-    assert torch.equal(out[1], out[0]) and torch.equal(out[2], out[0])
-    # and the recurrence itself: h_in[next] = Ψ h_in[this] + b in the scan's direction
+    assert torch.equal(out[2], out[1]) and torch.equal(out[3], out[1])
     order = list(range(NS - 1, -1, -1)) if reverse else list(range(NS))
     h = h_first.reshape(B_H, K, V).double() if first else torch.zeros(B_H, K, V, dtype=torch.float64, device=DEV)
     for s_src, s_dst in zip(order, order[1:]):
-        torch.testing.assert_close(out[0][:, s_src].double(), h, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[1][:, s_src].double(), h, rtol=1e-4, atol=1e-4)
         x = X[:, s_src].double()
         h = x[..., :V] + x[..., VP:] @ h
-    torch.testing.assert_close(out[0][:, order[-1]].double(), h, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1][:, order[-1]].double(), h, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-def test_split_scans_with_the_carry_combine_give_the_same_bits(stages, monkeypatch):
-    # COMBINE_CARRY_STAGES switches both scans' combine; a split forward and reverse scan give the bits of the
-    # reload kernel (the vector gate, K = 64, h0 and dht given, eight chunks in four segments)
+def test_split_scans_launch_the_combine_at_the_set_stages(stages, monkeypatch):
+    # COMBINE_CARRY_STAGES sets both scans' combine launch; a split forward and reverse scan give the same bits at one
+    # and two stages (the vector gate, K = 64, h0 and dht given, eight chunks in four segments)
     from rewy_tune.kernels.triton import scan
 
     B, T, H, K, V, C = 1, 128, 2, 64, 48, 16
@@ -366,16 +365,14 @@ def test_split_scans_with_the_carry_combine_give_the_same_bits(stages, monkeypat
         rev = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dvl, h0, scale=K ** -0.5, want_dh0=True, **kw)
         return fwd + rev
 
+    one = run()
     launched = []
-    carry = scan.rewy_segment_combine_carry_kernel
-    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel", _Spy(carry, launched))
-    monkeypatch.setattr(scan, "COMBINE_CARRY_STAGES", 0)
-    reload = run()
-    assert launched == []
+    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel",
+                        _Spy(scan.rewy_segment_combine_carry_kernel, launched))
     monkeypatch.setattr(scan, "COMBINE_CARRY_STAGES", stages)
-    carried = run()
-    assert len(launched) == 2  # the forward and the reverse scan's combine
-    for a, b in zip(carried, reload):
+    got = run()
+    assert launched == [stages, stages]  # the forward and the reverse scan's combine
+    for a, b in zip(got, one):
         assert torch.equal(a, b)
 
 
@@ -384,8 +381,8 @@ def test_split_scans_with_the_carry_combine_give_the_same_bits(stages, monkeypat
                     reason="needs a CUDA GPU and REWY_TEST_NO_INTERPRET=1 (compiled Triton)")
 @pytest.mark.parametrize("K,NS", [(64, 8), (128, 4), (128, 8), (256, 3)])
 def test_gpu_segment_combine_carry_kernel(K, NS):
-    # On the GPU with tf32 products (the 16-bit pipeline's): the carry kernel at every stage count that fits gives
-    # the reload kernel's bits
+    # On the GPU with tf32 products (the 16-bit pipeline's): the combine kernel at every stage count that fits gives
+    # the one-stage bits, and the recurrence within tf32 rounding
     from rewy_tune.kernels.triton import scan
 
     B_H, V = 4, 128
@@ -394,16 +391,19 @@ def test_gpu_segment_combine_carry_kernel(K, NS):
     X = torch.randn(B_H, NS, K, V + K, device="cuda", generator=gen) * 0.05
     h_first = torch.randn(B_H, K, V, device="cuda", generator=gen)
     out = {}
-    for stages in range(0, scan.combine_carry_stages(K, X.device, 3) + 1):
+    for stages in range(1, scan.combine_carry_stages(K, X.device, 3) + 1):
         h_in = torch.full((B_H, NS, K, V), float("nan"), device="cuda")
-        kernel = scan.rewy_segment_combine_carry_kernel if stages else scan.rewy_segment_combine_kernel
-        kernel[(triton.cdiv(V, scan.COMBINE_BV), B_H)](X, h_first, h_in, H=B_H, K=K, V=V, VP=V, NS=NS, KB=KB,
-                                                       NB=NB, BV=scan.COMBINE_BV, USE_FIRST=True, REVERSE=True,
-                                                       PREC="tf32", num_warps=4, num_stages=max(1, stages))
+        scan.rewy_segment_combine_carry_kernel[(triton.cdiv(V, scan.COMBINE_BV), B_H)](
+            X, h_first, h_in, H=B_H, K=K, V=V, VP=V, NS=NS, KB=KB, NB=NB, BV=scan.COMBINE_BV, USE_FIRST=True,
+            REVERSE=True, PREC="tf32", num_warps=4, num_stages=stages)
         assert torch.isfinite(h_in).all(), stages
         out[stages] = h_in
     for stages in out:
-        assert torch.equal(out[stages], out[0]), stages
+        assert torch.equal(out[stages], out[1]), stages
+    h = h_first.double()
+    for s_src in range(NS - 1, 0, -1):
+        h = X[:, s_src, :, :V].double() + X[:, s_src, :, V:].double() @ h
+    torch.testing.assert_close(out[1][:, 0].double(), h, rtol=2e-2, atol=2e-2)
 
 
 class _Spy:
@@ -427,7 +427,7 @@ def test_combine_carry_stages_fit_the_device():
     assert [scan.combine_carry_shared_memory(128, n) for n in (1, 2, 3)] == [28672, 143360, 208896]
     assert [scan.combine_carry_shared_memory(256, n) for n in (1, 2, 3)] == [36864, 544768, 806912]
     cpu = torch.device("cpu")
-    assert scan.combine_carry_stages(128, cpu, 3) == 3 and scan.combine_carry_stages(128, cpu, 0) == 0
+    assert scan.combine_carry_stages(128, cpu, 3) == 3 and scan.combine_carry_stages(128, cpu, 0) == 1
     # the carry kernel at two stages: the faster on the H200 (session 22, benchmarks/combine_bench.py)
     assert scan.combine_carry_stages(128, cpu) == scan.COMBINE_CARRY_STAGES == 2
     if torch.cuda.is_available():
@@ -540,13 +540,13 @@ class TestSharedStagesGPU:
 
 def test_constraint_rejects_segments_whose_combine_kernel_cannot_fit():
     # The combine kernel runs only when a scan is split (num_segments > 1); its shared memory is modelled from K.
-    from rewy_tune.kernels.triton.scan import combine_carry_shared_memory, combine_shared_memory as reload_smem
+    from rewy_tune.kernels.triton.scan import combine_carry_shared_memory
     from rewy_tune.search_spaces.scalar import combine_shared_memory, constraint, default_schedule
 
     base = default_schedule((9, 0)).replace(forward_scan_segments=1, reverse_scan_segments=1)
     need = combine_shared_memory(128)
-    # the default carry kernel at its fewest stages (sm_90 compiles at K = 128); the reload kernel fits in less
-    assert need == combine_carry_shared_memory(128, 1) == 28672 and reload_smem(128) == 24576
+    # the combine kernel at its fewest stages (sm_90 compiles at K = 128)
+    assert need == combine_carry_shared_memory(128, 1) == 28672
     assert all(combine_shared_memory(k) == combine_carry_shared_memory(k, 1) for k in (32, 64, 100, 256))
     for name in ("forward_scan_segments", "reverse_scan_segments"):
         for nseg in (2, 4, 8):
