@@ -93,6 +93,8 @@ def variants_for(op: str, base):
         # programs run two per chunk (auto). 32-wide feature tiles allow four, 128 programs in one wave of 132 CTAs
         out["cons-32x64-k4"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=4)
         out["cons-32x64-k2"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=2)
+        # session 23 sweep (R, (1, 512, 4)): cons-32x64-k4 0.933 -> 1.122x FLA (KDA), unsplit 1.012x; not yet together
+        out["cons-32x64-k4-unsplit"] = out["cons-32x64-k4"].replace(forward_scan_segments=1, reverse_scan_segments=1)
         # session 23: ncu of the 8-warp consumer (KDA A (1, 2048, 16)): 255 registers, one CTA (8 warps) per SM, 6.4
         # cycles per issued instruction, most of them waiting on loads (phase 1, the inter V loop) and barriers; the
         # fp32 intra products are 32 % of the stall samples. 16 warps: 128 registers (sm_90 compile on a CPU; stack

@@ -319,9 +319,13 @@ def programs_per_chunk(k_split: int, K: int, BK: int, *, chunks: int = 0, num_wa
     if k_split not in CONSUMER_K_SPLITS:
         raise ValueError(f"k_split must be one of {CONSUMER_K_SPLITS}, got {k_split!r}")
     if k_split == 0:
-        slots = device_sms(device or torch.device("cpu")) * max(1, REGISTERS_PER_SM // (32 * num_warps * 256))
-        k_split = 2 if 0 < 2 * chunks <= slots else 1
+        k_split = 2 if 0 < 2 * chunks <= consumer_slots(num_warps, device) else 1
     return min(k_split, triton.cdiv(K, BK))
+
+
+def consumer_slots(num_warps: int, device: torch.device | None = None) -> int:
+    """CTAs of a consumer that one wave holds on the device: SMs × REGISTERS_PER_SM / (32 · num_warps · 256)."""
+    return device_sms(device or torch.device("cpu")) * max(1, REGISTERS_PER_SM // (32 * num_warps * 256))
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # one binary whatever B·T·H

@@ -41,8 +41,8 @@ import triton.language as tl
 from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
 
 from .gate import gate_backward
-from .local import (_chunk_prologue, _output_like, checked_ranges, is_v_first, output_buffer, programs_per_chunk,
-                    sum_row_parts)
+from .local import (_chunk_prologue, _output_like, checked_ranges, consumer_slots, is_v_first, output_buffer,
+                    programs_per_chunk, sum_row_parts)
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
@@ -52,6 +52,20 @@ INTRA_CODES = {"auto": 0, "centred": 1, "subchunk": 2}
 PATH_CENTRED, PATH_SUBCHUNK = 1, 2
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Small grids. Session 23 sweep (policy R, (1, 512, 4): 32 chunk programs of the 8-warp consumer on 132 SMs): four
+# programs per chunk over 32-wide feature tiles ran KDA's backward 0.1093 -> 0.0887 ms and GDN2's 0.1100 -> 0.0908,
+# against auto's two over 64-wide tiles. Timed only, not yet gated on the GPU, and with one H_< | D scratch per
+# program KDA's peak went over FLA's (13 / 12 MiB). So both are off until the GPU suite and the bench have run
+# (benchmarks/RESULTS.md, session 23):
+# - AUTO_NARROW_TILES: consumer_k_split "auto" (0) may narrow the feature tile to reach four programs per chunk
+#   (`consumer_split`);
+# - SHARED_HD_SCRATCH: a chunk's k-split programs share one H_< | D scratch. Each computes the same phase 1 from
+#   the same inputs and writes the same bits there, so whichever program's store a read meets, it reads the same
+#   values; the scratch stays [B,T,H,2C] whatever the split.
+AUTO_NARROW_TILES = False
+SHARED_HD_SCRATCH = False
+NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the tile the sweep timed)
 
 
 @triton.jit
@@ -258,12 +272,13 @@ def rewy_bwd_kernel_consumer_vector(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
-    ONE_BETA: tl.constexpr, S0_VK: tl.constexpr,
+    ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr,
 ):
     # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
-    # alone; a scalar erase path (a sum over features) goes to fp32 parts that the launcher sums.
+    # alone; a scalar erase path (a sum over features) goes to fp32 parts that the launcher sums. SHARED_HD: they all
+    # write the same H_< | D bits to one scratch (SHARED_HD_SCRATCH above), else each to its own.
     i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, c_off)
     i_bh = tl.program_id(1)
     i_ks = tl.program_id(2)
@@ -276,7 +291,7 @@ def rewy_bwd_kernel_consumer_vector(
     NC: tl.constexpr = BT // BC
     # H_< and D: rows of 2·BT fp32 in the scratch (H then D); the separate consumer reads D from the producer.
     HS: tl.constexpr = 2 * BT
-    if KSPLIT > 1:  # one H_< | D scratch per program
+    if KSPLIT > 1 and not SHARED_HD:  # one H_< | D scratch per program
         hd += i_ks * n_tok * HS
     if JOINT:
         d_base = hd + BT
@@ -518,6 +533,21 @@ def rewy_bwd_kernel_consumer_vector(
             tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row & (i_ks == 0))
 
 
+def consumer_split(k_split: int, K: int, BK: int, *, chunks: int, num_warps: int,
+                   device: torch.device | None = None) -> tuple[int, int]:
+    """(programs per chunk, feature tile) of the vector consumer. An explicit k_split, or auto without
+    AUTO_NARROW_TILES: `local.programs_per_chunk` over the schedule's tile BK. Auto with AUTO_NARROW_TILES: the most
+    programs per chunk s of 4 and 2 whose grid (s · chunks) fits one wave of the consumer's CTAs, the feature tile
+    narrowed to K / s (not below NARROW_TILE_MIN) where BK would give fewer than s tiles; else one."""
+    if k_split != 0 or not AUTO_NARROW_TILES:
+        return programs_per_chunk(k_split, K, BK, chunks=chunks, num_warps=num_warps, device=device), BK
+    for s in (4, 2):
+        if 0 < s * chunks <= consumer_slots(num_warps, device):
+            bk = min(BK, max(NARROW_TILE_MIN, triton.next_power_of_2(triton.cdiv(K, s))))
+            return min(s, triton.cdiv(K, bk)), bk
+    return 1, BK
+
+
 def _check_vector_gate(G, shape) -> None:
     if G is None or tuple(G.shape) != tuple(shape):
         raise ValueError(f"G must be a vector gate of shape {tuple(shape)} for KDA/GDN2 kernels, "
@@ -574,13 +604,14 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
+    k_split, BK = consumer_split(k_split, K, BK, chunks=NT * B * H, num_warps=num_warps, device=q.device)
     NK = triton.cdiv(K, BK)
-    k_split = programs_per_chunk(k_split, K, BK, chunks=NT * B * H, num_warps=num_warps, device=q.device)
+    shared_hd = SHARED_HD_SCRATCH and k_split > 1
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = output_buffer(dv_out, v, "dv_out")
-    # H_< | D rows, one scratch per program of a chunk
-    hd = torch.empty(k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
+    # H_< | D rows: one scratch per program of a chunk, or one the chunk's programs share (SHARED_HD_SCRATCH)
+    hd = torch.empty(1 if shared_hd else k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
     dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     if one_beta and not (erase.dim() == 3 and write.dim() == 3 and erase.dtype == write.dtype):
         raise ValueError("one_beta: erase and write must be one [B,T,H] β (KDA), got "
@@ -599,7 +630,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
-            num_warps=num_warps, num_stages=num_stages,
+            SHARED_HD=shared_hd, num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)

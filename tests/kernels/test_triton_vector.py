@@ -206,6 +206,76 @@ def test_consumer_k_split(op, k_split, consumer):
     assert_gates(run_triton(x, base.replace(consumer_k_split=k_split), "A"), oracle(x), ctx=f"{op} k{k_split} A")
 
 
+@pytest.mark.parametrize("chunks,num_warps,K,BK,want", [
+    (2, 8, 128, 64, (4, 32)),   # 8 interpreter "SMs", one 8-warp CTA each: 4 · 2 programs fit; 64-wide tiles narrowed
+    (3, 8, 128, 64, (2, 64)),   # 12 > 8: two per chunk, the tiles kept (two 64-wide tiles already)
+    (5, 8, 128, 64, (1, 64)),   # 10 > 8: one
+    (4, 4, 128, 128, (4, 32)),  # 4 warps: two CTAs per SM, 16 slots
+    (2, 8, 64, 64, (2, 32)),    # K = 64: never below 32-wide tiles, so two
+])
+def test_consumer_split_auto_narrows_small_grids(monkeypatch, chunks, num_warps, K, BK, want):
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(vl, "AUTO_NARROW_TILES", True)
+    assert vl.consumer_split(0, K, BK, chunks=chunks, num_warps=num_warps, device=cpu) == want
+    assert vl.consumer_split(2, K, BK, chunks=chunks, num_warps=num_warps, device=cpu) == (min(2, K // BK), BK)
+    monkeypatch.setattr(vl, "AUTO_NARROW_TILES", False)  # off: auto as local.programs_per_chunk, the tile kept
+    from rewy_tune.kernels.triton.local import programs_per_chunk
+
+    assert vl.consumer_split(0, K, BK, chunks=chunks, num_warps=num_warps, device=cpu) == (
+        programs_per_chunk(0, K, BK, chunks=chunks, num_warps=num_warps, device=cpu), BK)
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_consumer_narrowed_split_with_shared_scratch(op, monkeypatch):
+    # AUTO_NARROW_TILES and SHARED_HD_SCRATCH together, as the H200 would run (1, 512, 4): one chunk of K = 128 on the
+    # interpreter's 8 "SMs" runs four programs over 32-wide tiles (asserted from the launch) that share one H_< | D
+    # scratch; the same gradients as one program over the schedule's 64-wide tiles, and the oracle's gate
+    # (tail T = 50, policies R and A, NaN-poisoned outputs)
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs(op, 1, 50, 1, 128, 32, seed=41)
+    base = BASE.replace(consumer_cfg={"block_k": 64, "num_warps": 8}, forward_scan={"block_k": 128},
+                        reverse_scan={"block_k": 128}, recompute={"block_k": 128}, consumer_k_split=0)
+    one = run_triton(x, base.replace(consumer_k_split=1))
+    launches = []
+    kernel = vl.rewy_bwd_kernel_consumer_vector
+    getitem = type(kernel).__getitem__
+
+    def recording(self, grid):
+        if self is kernel:
+            launches.append(grid)
+        return getitem(self, grid)
+
+    monkeypatch.setattr(type(kernel), "__getitem__", recording)
+    monkeypatch.setattr(vl, "AUTO_NARROW_TILES", True)
+    monkeypatch.setattr(vl, "SHARED_HD_SCRATCH", True)
+    got = run_triton(x, base)
+    assert launches and all(g[2] == 4 for g in launches), launches
+    for n in NAMES:
+        if one[n] is not None:
+            assert torch.isfinite(got[n]).all() and rel_rms(got[n], one[n]) <= 1e-6, n
+    ref = oracle(x)
+    assert_gates(got, ref, ctx=f"{op} narrowed k4 R")
+    assert_gates(run_triton(x, base, "A"), ref, ctx=f"{op} narrowed k4 A")
+
+
+@pytest.mark.parametrize("consumer", ["joint", "separate"])
+def test_consumer_k_split_shared_scratch_bits(consumer, monkeypatch):
+    # the shared H_< | D scratch gives the bits of one scratch per program (k 2 over K = 48 in 16-wide tiles; the
+    # separate consumer's scratch holds H alone)
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs("gdn2", 1, 100, 2, 48, 32, seed=43)
+    s = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16}, forward_scan={"block_k": 64},
+                     reverse_scan={"block_k": 64}, consumer_k_split=2)
+    monkeypatch.setattr(vl, "SHARED_HD_SCRATCH", False)
+    apart = run_triton(x, s)
+    monkeypatch.setattr(vl, "SHARED_HD_SCRATCH", True)
+    assert_same_bits(run_triton(x, s), apart, ctx=consumer)
+
+
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
 @pytest.mark.parametrize("k_split", [1, 2])
 def test_kda_one_beta(k_split, consumer):
@@ -824,6 +894,25 @@ def test_gpu_consumer_ranges(op, B, T, H):
         ranged = run_triton(x, s.replace(consumer_ranges=n_ranges), "A")
         assert_same_bits(ranged, one, ctx=f"{n_ranges} ranges")
     assert_gates(ranged, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} A consumer ranges")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 100, 2), (1, 2048, 4)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
+    # The gate for AUTO_NARROW_TILES and SHARED_HD_SCRATCH (off until this passes, vector_local.py): the default with
+    # both on, at the small grids where auto narrows ((1, 512, 4): 32 chunks, four programs each over 32-wide tiles),
+    # a tail, and (1, 2048, 4), where it keeps the default tiles; the oracle's gate, and the same bits run twice
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    monkeypatch.setattr(vl, "AUTO_NARROW_TILES", True)
+    monkeypatch.setattr(vl, "SHARED_HD_SCRATCH", True)
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0)
+    s = _gpu_schedule(128, op, policy=policy)
+    a, b = run_triton(x, s, policy), run_triton(x, s, policy)
+    assert_gates(a, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} narrowed split")
+    assert_same_bits(b, a, ctx="run twice")
 
 
 @pytest.mark.gpu
