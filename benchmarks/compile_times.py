@@ -17,8 +17,9 @@ launches that one backward of an operator makes with a given schedule:
                                        [--dtype bf16|fp32] [--gate] [--sass KERNEL,...] [--kernels REGEX]
 
 --sass prints the named kernels' static SASS opcode counts (nvdisasm): spill loads/stores, barriers, tensor-core
-and global-memory instructions. With SASS_DUMP=DIR it also writes their SASS listings there, with IR_DUMP=DIR their
-Triton GPU IR (.ttgir: the layouts each tl.dot was given) and PTX.
+and global-memory instructions. With SASS_DUMP=DIR it also writes their SASS listings there (each instruction's
+source line included, which benchmarks/ncu_lines.py joins with ncu's per-instruction stall samples), with IR_DUMP=DIR
+their Triton GPU IR (.ttgir: the layouts each tl.dot was given) and PTX.
 
 --gate records what one GPU trial of the tuner compiles instead: the gate's validation cases
 (`trial_worker.validation_cases`) and the warm-up at a workload shape (no initial state, as the benchmark).
@@ -192,7 +193,8 @@ def print_sass(name: str, opts: dict, cubin: bytes, asm: dict | None = None) -> 
     """The opcode mix of one compiled kernel; with SASS_DUMP=DIR its whole listing (to read a loop body), and with
     IR_DUMP=DIR and the compiled kernel's asm its Triton GPU IR and PTX (to read how a product was lowered)."""
     print(f"{name} {opts}: {_instruction_mix(cubin)}")
-    _dump("SASS_DUMP", name, opts, "sass", lambda: _cubin_tool("nvdisasm", "-c", cubin))
+    # -g: each instruction's source line (a `//## File "...", line N` comment), for benchmarks/ncu_lines.py
+    _dump("SASS_DUMP", name, opts, "sass", lambda: _cubin_tool("nvdisasm", "-c -g", cubin))
     for ext in ("ttgir", "ptx") if asm is not None else ():
         _dump("IR_DUMP", name, opts, ext, lambda: asm[ext])
 
@@ -233,7 +235,7 @@ def _cubin_tool(name: str, option: str, cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, option, f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, *option.split(), f.name], capture_output=True, text=True).stdout
 
 
 # an instruction line of `nvdisasm -c`: /*addr*/, an optional predicate, the opcode
