@@ -89,16 +89,18 @@ def variants_for(op: str, base):
         # Under A the reverse scan runs alone; at 32 wide the one-wave rule splits it in 4 segments of 16 chunks
         # there, where session 10's 64-wide tiles ran 8 segments of 8 (16 programs each)
         out["rscan-bv64"] = base.replace(reverse_scan={"block_v": 64})
-        # session 22 (not yet timed): at (1, 512, 4) KDA/GDN2 are still slower than FLA and the consumer's 32 chunk
-        # programs run two per chunk (auto). 32-wide feature tiles allow four, 128 programs in one wave of 132 CTAs
+        # session 22: at (1, 512, 4) KDA/GDN2 are still slower than FLA and the consumer's 32 chunk programs run two per
+        # chunk (auto). 32-wide feature tiles allow four, 128 programs in one wave of 132 CTAs. Session 23 (R): k4
+        # KDA 0.1093 -> 0.0887 ms, GDN2 0.1100 -> 0.0908; k2 0.1043 / 0.1069 (vector_local.AUTO_NARROW_TILES)
         out["cons-32x64-k4"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=4)
         out["cons-32x64-k2"] = base.replace(consumer_cfg={"block_k": 32}, consumer_k_split=2)
         # session 23 sweep (R, (1, 512, 4)): cons-32x64-k4 0.933 -> 1.122x FLA (KDA), unsplit 1.012x; not yet together
         out["cons-32x64-k4-unsplit"] = out["cons-32x64-k4"].replace(forward_scan_segments=1, reverse_scan_segments=1)
         # session 23: ncu of the 8-warp consumer (KDA A (1, 2048, 16)): 255 registers, one CTA (8 warps) per SM, 6.4
         # cycles per issued instruction, most of them waiting on loads (phase 1, the inter V loop) and barriers; the
-        # fp32 intra products are 32 % of the stall samples. 16 warps: 128 registers (sm_90 compile on a CPU; stack
-        # 400 B at 64 x 64, 160 B at 32 x 64), twice the warps per scheduler to hide the same latencies
+        # fp32 intra products are 16.5 % of the stall samples. 16 warps: 128 registers (sm_90 compile on a CPU; stack
+        # 400 B at 64 x 64, 160 B at 32 x 64), twice the warps per scheduler to hide the same latencies. Timed in
+        # session 23 (KDA A): slower at every variant, (1, 2048, 16) 0.4563 -> 0.5424 ms at 64 x 64
         for name, cfg in (("cons-w16", {"num_warps": 16}), ("cons-w16-32x64", {"num_warps": 16, "block_k": 32}),
                           ("cons-w16-32x64-s2", {"num_warps": 16, "block_k": 32, "num_stages": 2}),
                           ("cons-w16-64x32", {"num_warps": 16, "block_v": 32})):
