@@ -204,7 +204,8 @@ def variants_for(op: str, base):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--op", default="gdn", help="an operator or 'all'")
+    p.add_argument("--op", default="gdn", help="an operator, several comma-separated (one process compiles them all), "
+                                                "or 'all'")
     p.add_argument("--policy", default="R")
     p.add_argument("--shapes", nargs="+", default=["1,8192,4", "1,8192,16"])
     p.add_argument("--jobs", type=int, default=None, help="compile-ahead processes (default: warmup's)")
@@ -221,7 +222,7 @@ def main():
     overrides = bench.parse_overrides(args.set)
     fla_baseline.bypass_hopper_guard()
     fla_baseline.autotune_here()  # FLA's picks are timed here, on an idle GPU, not read from the disk cache
-    ops = OPS if args.op == "all" else (args.op,)
+    ops = OPS if args.op == "all" else tuple(args.op.split(","))
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     cc = torch.cuda.get_device_capability()
     plan = {op: variants_for(op, bench.apply_overrides(default_schedule(cc, K=128, V=128, op=op, policy=args.policy),
