@@ -55,16 +55,17 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Small grids. Session 23 sweep (policy R, (1, 512, 4): 32 chunk programs of the 8-warp consumer on 132 SMs): four
 # programs per chunk over 32-wide feature tiles ran KDA's backward 0.1093 -> 0.0887 ms and GDN2's 0.1100 -> 0.0908,
-# against auto's two over 64-wide tiles. Timed only, not yet gated on the GPU, and with one H_< | D scratch per
-# program KDA's peak went over FLA's (13 / 12 MiB). So both are off until the GPU suite and the bench have run
-# (benchmarks/RESULTS.md, session 23):
+# against auto's two over 64-wide tiles; with one H_< | D scratch per program KDA's peak went over FLA's. Session 24
+# gated both flags on the H200 (test_gpu_consumer_narrowed_split, 12 passed) and timed them at (1, 512, 4) against
+# FLA (benchmarks/RESULTS.md, session 24): KDA A 0.969 -> 1.265x, R 0.933 -> 1.190x; GDN2 A 1.039 -> 1.484x,
+# R 1.007 -> 1.215x; peak below FLA's (KDA 7 / 9 MiB under A, 10 / 12 under R).
 # - AUTO_NARROW_TILES: consumer_k_split "auto" (0) may narrow the feature tile to reach four programs per chunk
 #   (`consumer_split`);
 # - SHARED_HD_SCRATCH: a chunk's k-split programs share one H_< | D scratch. Each computes the same phase 1 from
 #   the same inputs and writes the same bits there, so whichever program's store a read meets, it reads the same
 #   values; the scratch stays [B,T,H,2C] whatever the split.
-AUTO_NARROW_TILES = False
-SHARED_HD_SCRATCH = False
+AUTO_NARROW_TILES = True
+SHARED_HD_SCRATCH = True
 NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the tile the sweep timed)
 
 
