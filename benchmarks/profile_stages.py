@@ -105,6 +105,16 @@ def variants_for(op: str, base):
                           ("cons-w16-32x64-s2", {"num_warps": 16, "block_k": 32, "num_stages": 2}),
                           ("cons-w16-64x32", {"num_warps": 16, "block_v": 32})):
             out[name] = base.replace(consumer_cfg=cfg)
+        # session 24: the scans' gated operands K_t, Q_g formed once before them (scan_operands.py), not per chunk
+        # step in every program of the serial loop (FLA's KDA hands its reverse scan gated q and k the same way)
+        out["pregated"] = base.replace(scan_operands="pregated")
+        out["pregated-unsplit"] = out["pregated"].replace(forward_scan_segments=1, reverse_scan_segments=1)
+        out["pregated-rscan-bv32"] = out["pregated"].replace(reverse_scan={"block_v": 32})
+        # without the fp32 gate tiles the scans fit deeper prefetch (sm_90 compiles on a CPU, K = 128, bf16): reverse
+        # 64 wide at 3 stages 204 800 B (inline 304 128), 32 wide 176 128 (279 552); forward 32 wide at 4 stages
+        # 151 552 B (inline 239 104: over the H200's 232 448, FLA's pick); registers 215 -> 167 (reverse, 64 wide)
+        out["pregated-rscan-s3"] = out["pregated"].replace(reverse_scan={"num_stages": 3})
+        out["pregated-fscan-s4"] = out["pregated"].replace(forward_scan={"num_stages": 4})
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:

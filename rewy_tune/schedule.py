@@ -54,7 +54,11 @@ launch from the last, on the side stream, and the consumer of each range is laun
 the scan has finished it, beside the scan of the earlier ranges (the scan's B·H·V/BV programs leave most SMs idle
 where B·H ≥ 16 under policy A); the consumer's ranges alternate between the main stream and a second one. 0
 ("auto") takes ranges of 16 chunks or more where that gives at least 4 (at most 8), else 1. The same bits as 1 (one
-scan, then one consumer launch).
+scan, then one consumer launch). ``scan_operands`` is read by vector gates only (scalar gates scale rows of the
+scans' [C, BV] tiles instead and accept any value): "inline" has each scan program form K_t = K ⊙ exp(G_n − G) and
+Q_g = s·Q ⊙ exp(G) in its serial chunk loop; "pregated" forms them once in a parallel stage before the scans
+(`kernels/triton/scan_operands.py`, two [B,T,H,K] tensors in the input dtype held until the reverse scan is done),
+which then read them and G's last rows only. The same bits.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
 INTRA_PRECISIONS = ("ieee", "tf32x3")
 DV_LOCAL_SOURCES = ("recompute", "forward")
+SCAN_OPERANDS = ("inline", "pregated")
 CHUNK_SIZES = (16, 32, 64)
 SPLIT_WAVES = (0, 1, 2, 4)  # scan_split_waves: 0 = no occupancy limit on the sequence split
 STAGES = ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg", "cumsum")
@@ -157,6 +162,7 @@ class Schedule:
     consumer_k_split: int = 1  # joint_tma / vector consumers: programs per chunk, each over a share of the K tiles
     dq_stage: str = "consumer"  # joint_tma: dq formed in the consumer, or in its own stage beside the reverse scan
     consumer_ranges: int = 1  # joint_tma, vector joint: consumer launches, each on chunks the scan has finished
+    scan_operands: str = "inline"  # vector gates: the scans gate K and Q in their loop, or read them "pregated"
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -184,7 +190,8 @@ class Schedule:
                               ("intra_precision", INTRA_PRECISIONS),
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
                               ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES),
-                              ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS), ("dq_stage", DQ_STAGES)):
+                              ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS), ("dq_stage", DQ_STAGES),
+                              ("scan_operands", SCAN_OPERANDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

@@ -65,14 +65,17 @@ INTRA_PRECISION_CHOICES = ["ieee", "tf32x3"]
 # Source of dv_local's A_qk: recomputed from q, k, G ("recompute", the GPU-verified default) or the forward's saved
 # Aqk ("forward": one [C, C] x [C, BV] product per V tile; FLA keeps the same buffer). The gates decide per trial.
 DV_LOCAL_SOURCE_CHOICES = ["recompute", "forward"]
+# The scans' gated operands K_t, Q_g: formed in each scan program's chunk loop ("inline") or once before the scans
+# ("pregated", kernels/triton/scan_operands.py: two [B,T,H,K] tensors more, the same bits).
+SCAN_OPERAND_CHOICES = ["inline", "pregated"]
 # Row block of the sub-chunk fallback (kernels/triton/vector_local.py SUBCHUNK_ROWS; a test keeps them equal).
 SUBCHUNK_ROWS = 16
 # The scans hold the K rows of the state in register blocks of at most 64 rows (kernels/triton/scan.py).
 STATE_BLOCK_ROWS = 64
 
-__all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES", "constraint",
-           "default_schedule", "gpu_fault_reasons", "register_estimate", "schedule_from_params",
-           "shared_memory_estimate", "space"]
+__all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES",
+           "SCAN_OPERAND_CHOICES", "constraint", "default_schedule", "gpu_fault_reasons", "register_estimate",
+           "schedule_from_params", "shared_memory_estimate", "space"]
 
 
 # dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
@@ -94,6 +97,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         del out[name]
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
+    out["scan_operands"] = list(SCAN_OPERAND_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)
     return out
 
@@ -124,10 +128,24 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     # operands; the forward scan's fitted 3/2·C·BV·e covers U and R).
     KB = min(STATE_BLOCK_ROWS, Kp)
     fs, rs = schedule.forward_scan, schedule.reverse_scan
-    est["forward_scan"] = (C * KB * e + C * Kp * e + 3 * C * fs.block_v * e // 2
-                           + (fs.num_stages - 1) * (2 * C * Kp * e + C * Kp * 4 + Kp * 4 + C * fs.block_v * e))
-    est["reverse_scan"] = (C * KB * 4 + C * Kp * e + 2 * C * rs.block_v * e
-                           + (rs.num_stages - 1) * (3 * C * Kp * e + 2 * C * Kp * 4 + Kp * 4 + 2 * C * rs.block_v * e))
+    if schedule.scan_operands == "pregated":
+        # No [C, K] gate tile: per stage the forward scan's K_tᵀ and W, the reverse scan's K_t, Q_gᵀ and Wᵀ (input
+        # dtype) and the [C, BV] tiles; from two stages on, one more staging of the state operands. Fitted to the
+        # session-24 sm_90 compiles (bf16, K = 64..256, BV 16..128, 4 and 8 warps: exact at K = 128 and 256, 16 KB
+        # over at K = 64; tests/test_search_spaces_vector.py AOT_SM90); with fp32 inputs a loose upper bound.
+        states = e * KB * (schedule.state_dtype == "input")  # × BV: 16-bit states (one compile each, at BV 64)
+        bump_f = (C * (2 * Kp - KB) * e + C * fs.block_v * e) if fs.num_stages > 1 else 0
+        bump_r = (2 * C * Kp * e + C * rs.block_v * e) if rs.num_stages > 1 else 0
+        est["forward_scan"] = (C * KB * e + C * fs.block_v * e + bump_f + states * fs.block_v
+                               + (fs.num_stages - 1) * (2 * C * Kp * e + C * fs.block_v * e))
+        est["reverse_scan"] = (C * Kp * e + 2 * C * rs.block_v * e + bump_r + states * rs.block_v
+                               + (rs.num_stages - 1) * (3 * C * Kp * e + 2 * C * rs.block_v * e))
+    else:
+        est["forward_scan"] = (C * KB * e + C * Kp * e + 3 * C * fs.block_v * e // 2
+                               + (fs.num_stages - 1) * (2 * C * Kp * e + C * Kp * 4 + Kp * 4 + C * fs.block_v * e))
+        est["reverse_scan"] = (C * KB * 4 + C * Kp * e + 2 * C * rs.block_v * e
+                               + (rs.num_stages - 1) * (3 * C * Kp * e + 2 * C * Kp * 4 + Kp * 4
+                                                        + 2 * C * rs.block_v * e))
 
     # dv_local_vector: the fp32 intra product [C, BK] × [BK, C]; then A_qkᵀ (fp32 [C, C]) × dO [C, BV], dO
     # multi-buffered when the V loop has more than one tile.

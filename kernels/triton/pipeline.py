@@ -21,7 +21,8 @@ run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute 
 (`query_side.py`: dq and Ḡ's query side) on the main stream once S0 and R exist, beside the reverse scan.
 consumer_ranges > 1 (joint_tma; where the reverse scan runs last and alone) → the reverse scan in chunk ranges on
 the side stream (`scan.reverse_state_scan_ranges`), each range's consumer on the main stream after its scan range
-(`_scan_beside_consumer`).
+(`_scan_beside_consumer`). scan_operands "pregated" (vector gates) → `scan_operands.gated_scan_operands` forms K_t and
+Q_g once, before the scans, which then read them (``pregated=True``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .query_side import query_side
 from .recompute import recompute_wu
 from .scan import (forward_state_scan, reverse_scan_segment_count, reverse_state_scan, reverse_state_scan_ranges,
                    split_program_limit)
+from .scan_operands import gated_scan_operands
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -289,6 +291,12 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps, gate=gate)
     else:
         G = G.to(torch.float32).contiguous()
+    # Schedule.scan_operands "pregated" (vector gates): K_t and Q_g formed once, here, and read by both scans. They
+    # are dropped with W below, after the join: the side stream's reverse scan may read them until then.
+    scan_q, scan_k, pregated = q, k, False
+    if sc.scan_operands == "pregated" and G is not None and G.dim() == 4:
+        scan_q, scan_k = gated_scan_operands(q, k, G, scale=scale, chunk_size=C)
+        pregated = True
 
     # Stages on a second stream (Schedule.side_stream). Every tensor the side stream reads or writes is held here
     # until the join, which an exception takes too, and each fork waits on all the main stream's work so far.
@@ -310,10 +318,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
 
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
-                     num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
+                     num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated)
 
     def run_reverse_scan(dvl):
-        return reverse_state_scan(q, k, W, G, do, dvl, dht, **scan_args)
+        return reverse_state_scan(scan_q, scan_k, W, G, do, dvl, dht, **scan_args)
 
     dS1 = Rbar = dh0 = None
     dq_made = None  # (dq, Ḡ_q) from the query-side stage
@@ -337,9 +345,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                 dS1, Rbar, dh0 = run_reverse_scan(dvl)
         if S0 is None:
             fs = sc.forward_scan
-            S0, R = forward_state_scan(k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
+            S0, R = forward_state_scan(scan_k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
                                        num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
-                                       num_segments=sc.forward_scan_segments, split_max_programs=split_limit)
+                                       num_segments=sc.forward_scan_segments, split_max_programs=split_limit,
+                                       pregated=pregated)
         else:  # policy A: the vector consumer takes S0 as it comes (it reads FLA's V-first h in place)
             vector = G is not None and G.dim() == 4
             S0, R = (S0 if vector else S0.contiguous()), R.contiguous()
@@ -366,13 +375,13 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                                                        split_max_programs=split_limit) > 1:
             n_ranges = 1  # a split scan runs its segments side by side already
         if n_ranges > 1:
-            dS1, Rbar, dh0, launches = reverse_state_scan_ranges(q, k, W, G, do, dvl, dht, num_ranges=n_ranges,
-                                                                 **scan_args)
+            dS1, Rbar, dh0, launches = reverse_state_scan_ranges(scan_q, scan_k, W, G, do, dvl, dht,
+                                                                 num_ranges=n_ranges, **scan_args)
             ranges = _scan_beside_consumer(launches, chase_streams(k.device))
             dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range
         else:
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
-    del dvl, W
+    del dvl, W, scan_q, scan_k  # (chunk ranges: the scan's launches hold them until the last range has run)
 
     P = D = None
     if sc.consumer == "separate":

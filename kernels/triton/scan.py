@@ -66,6 +66,9 @@ import triton.language as tl
 
 from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
+# The kernels' GATE code for a vector gate whose scan operands K_t and Q_g were formed beforehand (scan_operands.py)
+GATE_VECTOR_PREGATED = 3
+
 
 @triton.jit
 def _mma(a, b, acc, PREC: tl.constexpr):
@@ -118,7 +121,8 @@ def _fwd_w_dot(acc, W, tok, m_row, b_s, i_kb: tl.constexpr, K: tl.constexpr, KB:
 def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, i_kb: tl.constexpr, K: tl.constexpr,
                       KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
     # S[block] ← Γ_n S[block] + K_t[:, block]ᵀ R, with K_tᵀ loaded transposed ([KB, BT]) from memory.
-    # Scalar gate: b_rd already carries the row decay exp(G_n − G), b_egl = exp(G_n).
+    # Scalar gate: b_rd already carries the row decay exp(G_n − G), b_egl = exp(G_n). GATE 3 (vector, pregated):
+    # k is K_t already (`scan_operands.py`), only Γ_n is left.
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     m_kr = m_k[:, None] & m_row[None, :]
@@ -131,6 +135,9 @@ def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, i_kb: tl.con
         # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
         b_ktt = (b_ktt.to(tl.float32) * tl.where(m_kr, tl.exp(b_gl[:, None] - b_g), 0.0)).to(k.dtype.element_ty)
         b_s = b_s * tl.exp(b_gl)[:, None]
+    elif GATE == 3:
+        b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_s = b_s * tl.exp(b_gl)[:, None]
     return _mma(b_ktt, b_rd, b_s, PREC)
 
 
@@ -138,7 +145,7 @@ def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, i_kb: tl.con
 def _bwd_k_dot(acc, k, G, tok, tok_last, m_row, b_ds, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                GATE: tl.constexpr, PREC: tl.constexpr):
     # acc + K[:, block] · dS[block]; vector gate: K_t = K ⊙ exp(G_n − G) per element (scalar gate: the caller
-    # scales the rows of the sum instead).
+    # scales the rows of the sum instead; GATE 3: k is K_t already).
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     m_rk = m_row[:, None] & m_k[None, :]
@@ -155,6 +162,7 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
                       K: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
     # dS[block] ← Γ_n dS[block] + Q_g[:, block]ᵀ dO − W[:, block]ᵀ R̄, Q_gᵀ and Wᵀ loaded transposed.
     # b_dod: dO (scalar gate / no gate: rows already scaled by s·exp(G)); b_nrb = −R̄ (input dtype).
+    # GATE 3 (vector, pregated): q is Q_g = s·Q ⊙ exp(G) already (`scan_operands.py`), only Γ_n is left.
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     m_kr = m_k[:, None] & m_row[None, :]
@@ -166,6 +174,9 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
         b_g = tl.load(G + tok[None, :] * K + o_k[:, None], mask=m_kr, other=0.0).to(tl.float32)
         b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_qt = (b_qt.to(tl.float32) * (tl.exp(b_g) * scale)).to(q.dtype.element_ty)
+        b_ds = b_ds * tl.exp(b_gl)[:, None]
+    elif GATE == 3:
+        b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_ds = b_ds * tl.exp(b_gl)[:, None]
     b_ds = _mma(b_qt, b_dod, b_ds, PREC)
     return _mma(b_wt, b_nrb, b_ds, PREC)
@@ -334,7 +345,7 @@ def rewy_bwd_scan_kernel(
             b_rb = b_rb * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
             b_dod = (b_do.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(dt)
             b_egl = tl.exp(b_gl)
-        elif GATE == 2:
+        elif GATE >= 2:
             b_dod = b_do.to(dt)  # the vector gate (and s) scale Q_gᵀ per element
         else:
             b_dod = (b_do.to(tl.float32) * scale).to(dt)
@@ -594,6 +605,18 @@ def split_program_limit(waves: int, device: torch.device) -> int:
     return waves * device_sms(device)
 
 
+def _gate_code(gk: int, pregated: bool) -> int:
+    """The kernels' GATE constexpr: gate_kind's, or 3 for a vector gate whose K_t and Q_g come pregated."""
+    if not isinstance(pregated, bool):
+        raise TypeError(f"pregated must be a bool, got {type(pregated).__name__}")
+    if not pregated:
+        return gk
+    if gk != GATE_VECTOR:
+        raise ValueError("pregated=True needs a vector gate G [B,T,H,K] (K_t and Q_g are per key channel), got "
+                         + ("no G" if gk == 0 else "a scalar gate G [B,T,H]"))
+    return GATE_VECTOR_PREGATED
+
+
 def _split_overhead(gk: int) -> int | None:
     return VECTOR_SPLIT_OVERHEAD_STEPS if gk == GATE_VECTOR else SPLIT_OVERHEAD_STEPS
 
@@ -631,12 +654,14 @@ def forward_state_scan(
     state_dtype: torch.dtype = torch.float32,
     num_segments: int = 1,
     split_max_programs: int = 0,
+    pregated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy-R forward state pass. Returns (S0 per chunk [B,NT,H,K,V] in state_dtype, R [B,T,H,V] in k's dtype).
 
     k, W [B,T,H,K]; U [B,T,H,V]; G None | [B,T,H] | [B,T,H,K] (fp32, natural log, chunk-local cumsum);
     initial_state None | [B,H,K,V]. Grid: cdiv(V,BV) × B·H × num_segments programs (see the module docstring);
-    split_max_programs > 0 limits that grid (`split_program_limit`, `_segments`).
+    split_max_programs > 0 limits that grid (`split_program_limit`, `_segments`). pregated (vector G only): k is
+    K_t = K ⊙ exp(G_n − G) from `scan_operands.gated_scan_operands`, and the scan reads G's last rows alone.
     """
     B, T, H, K = k.shape
     V = U.shape[-1]
@@ -646,6 +671,7 @@ def forward_state_scan(
     if initial_state is not None and tuple(initial_state.shape) != (B, H, K, V):
         raise ValueError(f"initial_state must have shape {(B, H, K, V)}, got {tuple(initial_state.shape)}")
     gk = gate_kind(G, k)
+    code = _gate_code(gk, pregated)
     k, W, U = k.contiguous(), W.contiguous(), U.contiguous()
     G = G.contiguous() if G is not None else None
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -657,7 +683,7 @@ def forward_state_scan(
     Hs = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     R = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device)
     KB, NB = _state_blocks(K)
-    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=gk, PREC=prec,
+    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, PREC=prec,
                   num_warps=num_warps, num_stages=num_stages)
     h_in = h0
     if NS > 1:
@@ -718,6 +744,7 @@ def reverse_state_scan_ranges(
     num_segments: int = 1,
     split_max_programs: int = 0,
     num_ranges: int = 1,
+    pregated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -732,6 +759,9 @@ def reverse_state_scan_ranges(
     Each range is one launch of the plain scan's kernel over its chunks, entering with the state the launch before
     left in an fp32 carry buffer (the registers' own values): the same bits as one launch. Where the scan splits
     (`num_segments`, `_segments`) it already runs its chunks side by side: it runs whole and yields (0, NT) once.
+
+    pregated (vector G only): q is Q_g = s·Q ⊙ exp(G) and k is K_t = K ⊙ exp(G_n − G), both from
+    `scan_operands.gated_scan_operands`; the scan reads G's last rows alone. The same bits as q, k and G.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -746,6 +776,7 @@ def reverse_state_scan_ranges(
     if dht is not None and tuple(dht.shape) != (B, H, K, V):
         raise ValueError(f"dht must have shape {(B, H, K, V)}, got {tuple(dht.shape)}")
     gk = gate_kind(G, k)
+    code = _gate_code(gk, pregated)
     q, k, W, do = q.contiguous(), k.contiguous(), W.contiguous(), do.contiguous()
     G = G.contiguous() if G is not None else None
     dvl = dv_local.contiguous() if dv_local is not None else None
@@ -759,7 +790,7 @@ def reverse_state_scan_ranges(
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
     KB, NB = _state_blocks(K)
-    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=gk, HAS_DVL=dvl is not None,
+    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl is not None,
                   PREC=prec, num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     # Scratch is allocated here, on the caller's stream, not in the launches, which the pipeline runs on its side

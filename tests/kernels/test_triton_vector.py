@@ -342,6 +342,84 @@ def test_consumer_ranges(op, source, monkeypatch):
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges {source}")
 
 
+@pytest.mark.parametrize("policy,consumer", [("R", "joint"), ("A", "joint"), ("R", "separate")])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_scan_operands_pregated(op, policy, consumer, monkeypatch):
+    # Schedule.scan_operands "pregated": K_t and Q_g formed once before the scans (scan_operands.py), which read them
+    # with GATE 3. The same expressions as the scans' own, so the same bits as "inline", with a tail (100 rows, chunk
+    # 32), an initial state, strong decay on half the channels and a segment split of both scans; then the gate.
+    from rewy_tune.kernels.triton import pipeline, scan
+
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=23, decay="mixed")
+    base = BASE.replace(chunk_size=32, consumer=consumer, forward_scan_segments=2, reverse_scan_segments=2)
+    inline = run_triton(x, base, policy)
+    codes = []
+    for name in ("rewy_fwd_scan_kernel", "rewy_bwd_scan_kernel"):
+        real = getattr(scan, name)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, name=name):
+                def launch(*args, **kw):
+                    codes.append((name, kw["GATE"]))
+                    return real[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(scan, name, Spy())
+    made = []
+    real_operands = pipeline.gated_scan_operands
+    monkeypatch.setattr(pipeline, "gated_scan_operands", lambda *a, **kw: made.append(1) or real_operands(*a, **kw))
+    pregated = run_triton(x, base.replace(scan_operands="pregated"), policy)
+    assert made == [1]
+    assert codes and {c for _, c in codes} == {scan.GATE_VECTOR_PREGATED}
+    assert {n for n, _ in codes} == ({"rewy_bwd_scan_kernel"} if policy == "A" else
+                                     {"rewy_fwd_scan_kernel", "rewy_bwd_scan_kernel"})
+    assert_same_bits(pregated, inline, ctx=f"{op} {policy} {consumer} pregated scan operands")
+    assert_gates(pregated, oracle(x, C=32), ctx=f"{op} {policy} {consumer} pregated scan operands")
+
+
+def test_gated_scan_operands_values():
+    # K_t = k ⊙ exp(G_n − G) (G_n: the chunk's last row, a tail chunk's last valid row) and Q_g = s·q ⊙ exp(G),
+    # rounded once to the input dtype, against float64; rows of the tail chunk included
+    from rewy_tune.kernels.triton.scan_operands import gated_scan_operands
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, C = 2, 50, 3, 48, 16
+    q, k = (torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(2))
+    G = (-3.0 * torch.rand(B, T, H, K, generator=gen))
+    for c0 in range(0, T, C):  # a chunk-local cumulative gate (decreasing within each chunk)
+        G[:, c0:c0 + C] = G[:, c0:c0 + C].cumsum(1)
+    qg, kt = gated_scan_operands(q, k, G, scale=0.3, chunk_size=C, BK=32)
+    assert qg.dtype == kt.dtype == torch.bfloat16 and qg.shape == kt.shape == q.shape
+    last = torch.tensor([min(c0 + C, T) - 1 for c0 in range(0, T, C) for _ in range(c0, min(c0 + C, T))])
+    Gd = G.double()
+    want_k = k.double() * (Gd[:, last] - Gd).exp()
+    want_q = 0.3 * q.double() * Gd.exp()
+    for got, want in ((kt, want_k), (qg, want_q)):
+        err = (got.double() - want).abs()
+        assert torch.all(err <= 2.0 ** -7 * want.abs()), err.max()  # one bf16 rounding (and an fp32 exp)
+
+
+def test_gated_scan_operands_bad_inputs():
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.kernels.triton.scan_operands import gated_scan_operands
+
+    q = k = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="G must be a vector gate"):
+        gated_scan_operands(q, k, torch.zeros(1, 8, 2), scale=1.0)
+    with pytest.raises(ValueError, match="G must be float32"):
+        gated_scan_operands(q, k, torch.zeros(1, 8, 2, 16, dtype=torch.float64), scale=1.0)
+    with pytest.raises(ValueError, match="q and k must have one dtype"):
+        gated_scan_operands(q, k.half(), torch.zeros(1, 8, 2, 16), scale=1.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gated_scan_operands(q, k, torch.zeros(1, 8, 2, 16), scale=1.0, chunk_size=48)
+    with pytest.raises(ValueError, match="pregated=True needs a vector gate"):
+        scan.forward_state_scan(k, k, torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2), None, BK=16, BV=16,
+                                pregated=True)
+    with pytest.raises(TypeError, match="pregated must be a bool"):
+        scan.reverse_state_scan(q, k, k, torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16), None, None,
+                                scale=1.0, BK=16, BV=16, pregated="yes")
+
+
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_v_first_saved_states_read_in_place(op, consumer, monkeypatch):
@@ -893,9 +971,10 @@ def test_gpu_consumer_ranges(op, B, T, H):
 @pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 100, 2), (1, 2048, 4)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
-    # The gate for AUTO_NARROW_TILES and SHARED_HD_SCRATCH (off until this passes, vector_local.py): the default with
-    # both on, at the small grids where auto narrows ((1, 512, 4): 32 chunks, four programs each over 32-wide tiles),
-    # a tail, and (1, 2048, 4), where it keeps the default tiles; the oracle's gate, and the same bits run twice
+    # The gate for AUTO_NARROW_TILES and SHARED_HD_SCRATCH (on since this passed on the H200, session 24,
+    # vector_local.py): the default with both on, at the small grids where auto narrows ((1, 512, 4): 32 chunks,
+    # four programs each over 32-wide tiles), a tail, and (1, 2048, 4), where it keeps the default tiles; the
+    # oracle's gate, and the same bits run twice
     from rewy_tune.kernels.triton import vector_local as vl
 
     monkeypatch.setattr(vl, "AUTO_NARROW_TILES", True)
@@ -905,6 +984,21 @@ def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
     a, b = run_triton(x, s, policy), run_triton(x, s, policy)
     assert_gates(a, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} narrowed split")
     assert_same_bits(b, a, ctx="run twice")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_scan_operands_pregated(op, B, T, H, policy):
+    # Schedule.scan_operands "pregated" on each policy's default (split scans at (1, 512, 4), a tail at T = 1000):
+    # the oracle's gate, then the same bits as the scans gating K and Q themselves
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0)
+    s = _gpu_schedule(128, op, policy=policy)
+    pregated = run_triton(x, s.replace(scan_operands="pregated"), policy)
+    assert_gates(pregated, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} pregated")
+    assert_same_bits(pregated, run_triton(x, s.replace(scan_operands="inline"), policy), ctx="pregated vs inline")
 
 
 @pytest.mark.gpu
