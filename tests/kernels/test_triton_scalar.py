@@ -375,6 +375,7 @@ FIELD_CHANGES = {
     "consumer_k_split": 2,  # read by joint_tma, and only where K has two tiles: both paired with it below
     "dq_stage": "separate",  # read by joint_tma: paired with it below; see also test_query_side_stage
     "consumer_ranges": 2,  # read by joint_tma: paired with it below; see also test_consumer_ranges_*
+    "scan_operands": "pregated",  # read by vector gates only (test_triton_vector.py); scalar gates ignore it
 }
 
 
@@ -918,7 +919,10 @@ def test_query_side_stage(op, policy, order, column, k_split):
     assert_gates(b, oracle(x), ctx=f"{op} {policy} dq_stage separate {order} {column} k_split {k_split}")
     for n in NAMES:
         if a[n] is not None:
-            assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6), n
+            # another summation order moves a sum by rounding of its largest terms, not of the (cancelled) result:
+            # the absolute tolerance scales with the tensor (on this machine's numpy dg moved 1.9e-6 at |dg| 16)
+            atol = 1e-6 * max(1.0, b[n].abs().max().item())
+            assert torch.allclose(a[n], b[n], rtol=1e-5, atol=atol), n
 
 
 def test_query_side_stage_runs_once_and_feeds_the_consumer(monkeypatch):
