@@ -344,7 +344,12 @@ VECTOR_H200 = {
 # it. 64-wide state tiles then beat the 32-wide ones policy R takes. Session 21 sweep, KDA A (one-wave split limit):
 # (1, 4096, 8) 0.548 -> 0.467 ms (scan 246 -> 150 us: 8 segments of 8 chunks against 4 of 16), (1, 8192, 4)
 # 0.566 -> 0.500, (1, 2048, 16) 0.455 -> 0.453 (benchmarks/RESULTS.md, session 21).
-VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 2)}
+# Its gated operands K_t, Q_g formed once before it ("pregated", kernels/triton/scan_operands.py): no fp32 gate tiles
+# and exponentials in the serial chunk loop (215 -> 167 registers). Session 24 (GPU tests: the oracle's gate and the
+# same bits as "inline" at (1, 512, 4), (1, 2048, 16), (1, 1000, 3), both policies), timed under A at one shape so
+# far: KDA (1, 2048, 16) 0.4519 -> 0.3967 ms, 1.122 -> 1.275x FLA, peak unchanged (RESULTS.md). Policy R keeps
+# "inline" until it is timed (its scans run beside each other; the extra stage would run before both).
+VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 2), "scan_operands": "pregated"}
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,

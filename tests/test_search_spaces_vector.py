@@ -381,8 +381,9 @@ def test_the_h200_vector_defaults():
 
 
 def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
-    # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep). R and
-    # None keep the 32-wide ones; every other field, and every other default, is the same under both policies.
+    # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep), reading
+    # its gated operands pregated (session 24). R and None keep the 32-wide ones, inline; every other field, and every
+    # other default, is the same under both policies.
     from rewy_tune import search
     from rewy_tune.search_spaces import default_schedule
 
@@ -391,7 +392,7 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         a = vector.default_schedule((9, 0), op=op, policy="A")
         assert r == vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert (r.reverse_scan.block_v, a.reverse_scan.block_v) == (32, 64)
-        assert a == r.replace(reverse_scan={"block_v": 64})
+        assert a == r.replace(reverse_scan={"block_v": 64}, scan_operands="pregated")
         assert vector.constraint(a, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
         params = search.schedule_params(a, op=op, K=128, V=128, interpreter=False)
         for policy in ("A", "R"):  # a replayed trial is its parameters, whatever the base

@@ -53,6 +53,11 @@ spill-free. Block pointers (tl.make_block_ptr) for the tiles were tried and spil
 
 Transposed operands (K_tᵀ, Wᵀ, Q_gᵀ) are loaded transposed from memory, never made with tl.trans in
 registers (Triton 3.6 on Hopper miscompiles tl.trans of wgmma-layout values; FLA issue 640).
+
+Vector gates (GATE 2) form K_t = K ⊙ exp(G_n − G) and Q_g = s·Q ⊙ exp(G) per element in the chunk loop, casting
+them to the input dtype for the products. With ``pregated=True`` (GATE 3, Schedule.scan_operands "pregated") the
+launchers take K_t for k and Q_g for q as `scan_operands.gated_scan_operands` formed them, with the same expressions,
+and the loop loads G's last row only (Γ_n): the same bits, fewer loads and registers in the serial loop.
 """
 
 from __future__ import annotations
