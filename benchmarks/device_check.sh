@@ -17,6 +17,8 @@
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # TCACHE_SAVE=1 returns Triton's compile cache (binaries and metadata) as $OUT/tcache.tgz.part-*; put them in .tcache/
 # (ignored) and carry it: a later call on a cold host starts with every kernel compiled (same Triton, same sources).
+# The archive is written after the steps: an outer `timeout` around this script must leave it time (session 24's
+# wrapped a sweep at 15 s over SWEEP_S, which ended the archive half written).
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
 # a one-worker campaign on GPU 0. The background steps write under bg/ (OUT and results); BG_SWEEP_OPS gives them
 # their own operator for a sweep (e.g. STEPS=sweep SWEEP_OPS=gdn BG_STEPS=sweep BG_SWEEP_OPS=deltanet).
