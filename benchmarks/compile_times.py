@@ -39,7 +39,8 @@ import sys
 import tempfile
 import time
 
-MODULES = ("recompute", "scan", "local", "consumer_tma", "query_side", "vector_local", "cumsum", "gate")
+MODULES = ("recompute", "scan", "scan_operands", "local", "consumer_tma", "query_side", "vector_local", "cumsum",
+           "gate")
 TORCH_TO_TRITON = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
                    "torch.int32": "i32", "torch.int64": "i64"}
 
