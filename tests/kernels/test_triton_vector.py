@@ -303,12 +303,10 @@ def test_one_beta_needs_one_scalar_beta():
                                     scale=1.0, initial_state=None, schedule=BASE, one_beta=True)
 
 
-def spy_consumer_launches(monkeypatch, record):
-    """The vector consumer kernel behind a spy: record(args, kw, grid) at each launch, then the real launch.
+def spy_kernel_launches(monkeypatch, module, name, record):
+    """The kernel `module.name` behind a spy: record(args, kw, grid) at each launch, then the real launch.
     Returns the kernel's argument names (to find a positional argument by name)."""
-    from rewy_tune.kernels.triton import vector_local
-
-    real = vector_local.rewy_bwd_kernel_consumer_vector
+    real = getattr(module, name)
 
     class Spy:
         def __getitem__(self, grid):
@@ -317,8 +315,15 @@ def spy_consumer_launches(monkeypatch, record):
                 return real[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(vector_local, "rewy_bwd_kernel_consumer_vector", Spy())
+    monkeypatch.setattr(module, name, Spy())
     return real.arg_names
+
+
+def spy_consumer_launches(monkeypatch, record):
+    """`spy_kernel_launches` on the vector consumer kernel."""
+    from rewy_tune.kernels.triton import vector_local
+
+    return spy_kernel_launches(monkeypatch, vector_local, "rewy_bwd_kernel_consumer_vector", record)
 
 
 @pytest.mark.parametrize("source", ["recompute", "forward"])
@@ -355,16 +360,7 @@ def test_scan_operands_pregated(op, policy, consumer, monkeypatch):
     inline = run_triton(x, base, policy)
     codes = []
     for name in ("rewy_fwd_scan_kernel", "rewy_bwd_scan_kernel"):
-        real = getattr(scan, name)
-
-        class Spy:
-            def __getitem__(self, grid, real=real, name=name):
-                def launch(*args, **kw):
-                    codes.append((name, kw["GATE"]))
-                    return real[grid](*args, **kw)
-                return launch
-
-        monkeypatch.setattr(scan, name, Spy())
+        spy_kernel_launches(monkeypatch, scan, name, lambda args, kw, grid, name=name: codes.append((name, kw["GATE"])))
     made = []
     real_operands = pipeline.gated_scan_operands
     monkeypatch.setattr(pipeline, "gated_scan_operands", lambda *a, **kw: made.append(1) or real_operands(*a, **kw))
@@ -406,6 +402,10 @@ def test_gated_scan_operands_bad_inputs():
     q = k = torch.zeros(1, 8, 2, 16)
     with pytest.raises(ValueError, match="G must be a vector gate"):
         gated_scan_operands(q, k, torch.zeros(1, 8, 2), scale=1.0)
+    with pytest.raises(ValueError, match=r"q and k must both be \[B,T,H,K\] of one shape"):
+        gated_scan_operands(q, torch.zeros(1, 8, 2, 32), torch.zeros(1, 8, 2, 16), scale=1.0)
+    with pytest.raises(ValueError, match="q, k and G must be on one device"):
+        gated_scan_operands(q, k, torch.zeros(1, 8, 2, 16, device="meta"), scale=1.0)
     with pytest.raises(ValueError, match="G must be float32"):
         gated_scan_operands(q, k, torch.zeros(1, 8, 2, 16, dtype=torch.float64), scale=1.0)
     with pytest.raises(ValueError, match="q and k must have one dtype"):
