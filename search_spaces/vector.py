@@ -337,6 +337,14 @@ VECTOR_H200 = {
     # Two consumer programs per chunk where twice the grid fits in one wave of the 8-warp consumer's CTAs (auto,
     # local.programs_per_chunk): session 16 sweep, KDA (1, 512, 4) R 0.1666 -> 0.1428 ms with 2 (RESULTS.md).
     "consumer_k_split": 0,
+    # The scans' gated operands K_t, Q_g formed once before them ("pregated", kernels/triton/scan_operands.py): no fp32
+    # gate tiles and exponentials in their serial chunk loops (sm_90: 148 -> 113 registers forward, 156 -> 117
+    # reverse; 215 -> 167 for policy A's 64-wide reverse scan). The same bits as "inline" (GPU tests, both policies:
+    # session 24, and session 25's whole vector suite with it as the default). Side by side (session 25 sweep), KDA R
+    # (1, 2048, 16) 0.4760 -> 0.4187 ms (1.230 -> 1.394x FLA); session 24, KDA A the same shape 0.4519 -> 0.3967.
+    # Six-shape benches with it (session 25; RESULTS.md): KDA R 1.454x, A 1.355x; GDN2 R 1.588x, A 1.500x (last
+    # benched inline: R 1.128 / 1.239 in session 17, A 1.154 / 1.272, before session 24's narrowed consumer split).
+    "scan_operands": "pregated",
 }
 
 
@@ -344,12 +352,7 @@ VECTOR_H200 = {
 # it. 64-wide state tiles then beat the 32-wide ones policy R takes. Session 21 sweep, KDA A (one-wave split limit):
 # (1, 4096, 8) 0.548 -> 0.467 ms (scan 246 -> 150 us: 8 segments of 8 chunks against 4 of 16), (1, 8192, 4)
 # 0.566 -> 0.500, (1, 2048, 16) 0.455 -> 0.453 (benchmarks/RESULTS.md, session 21).
-# Its gated operands K_t, Q_g formed once before it ("pregated", kernels/triton/scan_operands.py): no fp32 gate tiles
-# and exponentials in the serial chunk loop (215 -> 167 registers). Session 24 (GPU tests: the oracle's gate and the
-# same bits as "inline" at (1, 512, 4), (1, 2048, 16), (1, 1000, 3), both policies), timed under A at one shape so
-# far: KDA (1, 2048, 16) 0.4519 -> 0.3967 ms, 1.122 -> 1.275x FLA, peak unchanged (RESULTS.md). Policy R keeps
-# "inline" until it is timed (its scans run beside each other; the extra stage would run before both).
-VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 2), "scan_operands": "pregated"}
+VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 2)}
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,

@@ -359,6 +359,7 @@ def test_the_h200_vector_defaults():
         assert vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert vector.default_schedule((9, 0), op=op, dtype="bf16") == Schedule(**vector.VECTOR_H200)
         assert vector.default_schedule((9, 0), op=op).dv_local_source == "forward"
+        assert vector.default_schedule((9, 0), op=op).scan_operands == "pregated"
         # the scalar-derived one, less the scalar-only descriptor consumer and its settings: the pointer consumer at
         # 8 warps and the 16-wide scans the vector default was measured with (session 11)
         pointer = {"consumer": "joint", "consumer_cfg": {"num_warps": 8}, "consumer_order": "fused",
@@ -381,9 +382,9 @@ def test_the_h200_vector_defaults():
 
 
 def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
-    # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep), reading
-    # its gated operands pregated (session 24). R and None keep the 32-wide ones, inline; every other field, and every
-    # other default, is the same under both policies.
+    # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep). R and
+    # None keep the 32-wide ones; every other field, and every other default, is the same under both policies: both
+    # read the scans' gated operands pregated (session 24 under A, session 25 under R).
     from rewy_tune import search
     from rewy_tune.search_spaces import default_schedule
 
@@ -392,7 +393,8 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         a = vector.default_schedule((9, 0), op=op, policy="A")
         assert r == vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert (r.reverse_scan.block_v, a.reverse_scan.block_v) == (32, 64)
-        assert a == r.replace(reverse_scan={"block_v": 64}, scan_operands="pregated")
+        assert a == r.replace(reverse_scan={"block_v": 64})
+        assert r.scan_operands == a.scan_operands == "pregated"
         assert vector.constraint(a, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
         params = search.schedule_params(a, op=op, K=128, V=128, interpreter=False)
         for policy in ("A", "R"):  # a replayed trial is its parameters, whatever the base
