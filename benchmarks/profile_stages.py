@@ -115,6 +115,14 @@ def variants_for(op: str, base):
         # 151 552 B (inline 239 104: over the H200's 232 448, FLA's pick); registers 215 -> 167 (reverse, 64 wide)
         out["pregated-rscan-s3"] = out["pregated"].replace(reverse_scan={"num_stages": 3})
         out["pregated-fscan-s4"] = out["pregated"].replace(forward_scan={"num_stages": 4})
+        # session 25: pregated is the default under both policies; "inline" times the old path against it
+        out["inline"] = base.replace(scan_operands="inline")
+        # Policy R runs both scans at once (side stream), one CTA of each per SM at most: sm_90 compiles (K = V = 128,
+        # bf16, pregated) forward 32 wide at 3 stages 114 688 B + reverse 118 784 B = 233 472 B, the SM's whole
+        # 228 KiB with no room for the 1 KiB each CTA reserves. At 2 stages the forward scan takes 77 824 B, so a
+        # forward and a reverse CTA can share an SM: at B·H = 32 (2, 2048, 16) their 2 × 128 programs then fit in one
+        # wave of the 132 SMs instead of two.
+        out["fscan-s2"] = base.replace(forward_scan={"num_stages": 2})
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:
