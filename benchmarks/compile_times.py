@@ -184,6 +184,7 @@ def _dump(env: str, name: str, opts: dict, ext: str, text) -> None:
     """Write text() to DIR/NAME-wW-sS.EXT where the environment variable env names DIR."""
     folder = os.environ.get(env)
     if folder:
+        os.makedirs(folder, exist_ok=True)  # a new folder name is the usual case, not an error
         path = os.path.join(folder, f"{name}-w{opts.get('num_warps')}-s{opts.get('num_stages')}.{ext}")
         with open(path, "w") as f:
             f.write(text())

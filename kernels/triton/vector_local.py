@@ -68,6 +68,14 @@ AUTO_NARROW_TILES = True
 SHARED_HD_SCRATCH = True
 NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the tile the sweep timed)
 
+# LAST_ROW_LOAD: the consumer loads the chunk's last gate row G_n per feature tile ([BK], one masked load) instead of
+# extracting it from the [C, BK] tile with a column sum (a cross-warp reduction, shared memory and barriers, every
+# tile). The same bits (a sum of one value and zeros is that value). sm_90 compiles on a CPU (session 25,
+# `compile_times.py --kernels consumer_vector`, H = 16): stack per thread KDA A 272 -> 64 B, R 280 -> 80, GDN2 A
+# 328 -> 160, R 352 -> 152; KDA A 9 736 -> 9 424 instructions. Off until the H200 has run
+# test_gpu_consumer_last_row_load and timed it (session 25 had no device time left).
+LAST_ROW_LOAD = False
+
 
 @triton.jit
 def _tile_range(b_g, m_row, m_k):
@@ -273,7 +281,7 @@ def rewy_bwd_kernel_consumer_vector(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
-    ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr,
+    ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr, GN_LOAD: tl.constexpr,
 ):
     # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
@@ -496,7 +504,10 @@ def rewy_bwd_kernel_consumer_vector(
         b_q = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32)
         b_ev = _erase_rows(erase, tok, p_rk, m_rk, m_row, ERASE_VEC, BK)
-        b_gn = tl.sum(tl.where(is_last[:, None], b_g, 0.0), axis=0)
+        if GN_LOAD:  # LAST_ROW_LOAD above
+            b_gn = tl.load(G + ((i_b * T + t0 + n_rows - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        else:
+            b_gn = tl.sum(tl.where(is_last[:, None], b_g, 0.0), axis=0)
         b_gamma = tl.where(m_rk, tl.exp(b_g), 0.0)
         b_tau = tl.where(m_rk, tl.exp(b_gn[None, :] - b_g), 0.0)
         b_hs = (scale * b_hd)[:, None]
@@ -631,7 +642,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
-            SHARED_HD=shared_hd, num_warps=num_warps, num_stages=num_stages,
+            SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)

@@ -268,6 +268,29 @@ def test_consumer_k_split_shared_scratch_bits(consumer, monkeypatch):
     assert_same_bits(run_triton(x, s), apart, ctx=consumer)
 
 
+@pytest.mark.parametrize("op, consumer, k_split", [("kda", "joint", 1), ("gdn2", "separate", 2)])
+def test_consumer_last_row_load_bits(op, consumer, k_split, monkeypatch):
+    # LAST_ROW_LOAD: G_n loaded from the chunk's last valid row gives the bits of the column sum it replaces, in a
+    # tail chunk (T = 100: the last chunk's last row is row 35, not C - 1), over a ragged K (48 in 16-wide tiles, k
+    # split 2: each program its own tiles), strong decay on half the channels; and the oracle's gate under both policies
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs(op, 1, 100, 2, 48, 32, seed=47, decay="mixed")
+    s = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16}, forward_scan={"block_k": 64},
+                     reverse_scan={"block_k": 64}, consumer_k_split=k_split)
+    launches = []
+    spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(kw["GN_LOAD"]))
+    ref = oracle(x)
+    for policy in ("R", "A"):
+        monkeypatch.setattr(vl, "LAST_ROW_LOAD", False)
+        summed = run_triton(x, s, policy)
+        monkeypatch.setattr(vl, "LAST_ROW_LOAD", True)
+        loaded = run_triton(x, s, policy)
+        assert_same_bits(loaded, summed, ctx=f"{op} {policy} last row loaded vs summed")
+        assert_gates(loaded, ref, ctx=f"{op} {policy} last row loaded")
+    assert launches == [False, True] * 2, launches
+
+
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
 @pytest.mark.parametrize("k_split", [1, 2])
 def test_kda_one_beta(k_split, consumer):
@@ -984,6 +1007,26 @@ def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
     a, b = run_triton(x, s, policy), run_triton(x, s, policy)
     assert_gates(a, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} narrowed split")
     assert_same_bits(b, a, ctx="run twice")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_consumer_last_row_load(op, B, T, H, policy, monkeypatch):
+    # The gate for LAST_ROW_LOAD (vector_local.py; off until this passes on the H200): each policy's default with the
+    # consumer loading G_n, at (1, 512, 4) (the narrowed split), (1, 2048, 16) and a tail; the oracle's gate, then the
+    # same bits as the column sum
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0)
+    s = _gpu_schedule(128, op, policy=policy)
+    monkeypatch.setattr(vl, "LAST_ROW_LOAD", True)
+    loaded = run_triton(x, s, policy)
+    assert_gates(loaded, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} last row loaded")
+    monkeypatch.setattr(vl, "LAST_ROW_LOAD", False)
+    assert_same_bits(loaded, run_triton(x, s, policy), ctx="last row loaded vs summed")
 
 
 @BF16_ON_INTERPRETER
