@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 
 import torch
@@ -22,6 +23,30 @@ from rewy_tune.cli import bench
 from rewy_tune.search_spaces import constraint, default_schedule
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
+
+# Variants that keep the default schedule and turn on flags of kernels/triton/vector_local.py (kernel changes not yet
+# on by default; session 25). Name them in --variants; the flags hold while the variant is profiled and measured (a
+# CUDA graph replays what its capture launched), and its kernels compile in this process, not ahead.
+FLAG_VARIANTS = {
+    "last-row": {"LAST_ROW_LOAD": True},
+    "range-in": {"RANGE_FROM_OPERANDS": True},
+    "last-row+range-in": {"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True},
+}
+
+
+@contextlib.contextmanager
+def vector_flags(flags: dict):
+    """Set vector_local's module flags for the duration (restored after)."""
+    from rewy_tune.kernels.triton import vector_local
+
+    old = {name: getattr(vector_local, name) for name in flags}
+    try:
+        for name, value in flags.items():
+            setattr(vector_local, name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(vector_local, name, value)
 
 
 def kernel_times(op, policy, schedule, shape, K=128, V=128, reps=5, fn=None):
@@ -249,6 +274,9 @@ def main():
     if args.variants:
         keep = {"default", *args.variants.split(",")}
         plan = {op: {n: s for n, s in variants.items() if n in keep} for op, variants in plan.items()}
+        for op in ops:
+            if op in ("kda", "gdn2"):
+                plan[op].update({n: plan[op]["default"] for n in keep if n in FLAG_VARIANTS})
     dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": cc}
     for op in ops:  # a variant over the shared-memory limit would only fail its compile (spill estimates still run)
         for name, sched in list(plan[op].items()):
@@ -257,11 +285,12 @@ def main():
                 del plan[op][name]
                 print(f"   {op} {name}: not run, {smem[0]}")
     names = [(op, name) for op in ops for name in plan[op]]
-    tasks = [warmup.WarmTask(op, args.policy, plan[op][name].to_dict(), shapes) for op, name in names]
+    tasks = [warmup.WarmTask(op, args.policy, plan[op][name].to_dict(), shapes) for op, name in names
+             if name not in FLAG_VARIANTS]
     # A variant that fails in its warm-up process (each runs in its own) is not run here: an illegal memory
     # access would poison this process's CUDA context and fail every variant after it (session 7's sweep).
     broken = {}
-    for (op, name), r in zip(names, warmup.warm(tasks, jobs=args.jobs)):
+    for (op, name), r in zip([n for n in names if n[1] not in FLAG_VARIANTS], warmup.warm(tasks, jobs=args.jobs)):
         if r.status != "ok":
             broken[(op, name)] = r.status
             print(f"   warm {op} {name} failed ({r.status}): {(r.message or '')[:160]}")
@@ -279,7 +308,8 @@ def main():
                 elif pname not in plan[op] or (op, pname) in broken:
                     continue
                 else:
-                    times = kernel_times(op, args.policy, plan[op][pname], shape)
+                    with vector_flags(FLAG_VARIANTS.get(pname, {})):
+                        times = kernel_times(op, args.policy, plan[op][pname], shape)
                 print(f"   per kernel, {pname}: total {sum(times.values()):.4f}")
                 for name, ms in times.most_common(12):
                     print(f"   {ms:8.4f}  {name}")
@@ -288,7 +318,9 @@ def main():
                     print(f"   {vname:18s} SKIPPED: failed in its warm-up process ({broken[op, vname]})")
                     continue
                 try:
-                    r = measure.measure_shape(op, measure.rewy_op_fn(op, args.policy, sched), fla, shape, rounds=30)
+                    with vector_flags(FLAG_VARIANTS.get(vname, {})):
+                        r = measure.measure_shape(op, measure.rewy_op_fn(op, args.policy, sched), fla, shape,
+                                                  rounds=30)
                     table.setdefault(op, {}).setdefault(vname, {})[",".join(map(str, shape))] = [
                         r.ours.median, r.fla.median]
                     print(f"   {vname:18s} ours {r.ours.median:.4f} ms  FLA {r.fla.median:.4f} ms  "

@@ -34,6 +34,7 @@ import triton
 
 from rewy_tune.schedule import Schedule
 
+from . import vector_local  # its flags: RANGE_FROM_OPERANDS (vector_local imports this module only inside a function)
 from .consumer_tma import consumer_tma, tma_supported
 from .cumsum import chunk_cumsum
 from .local import consumer as run_consumer
@@ -293,9 +294,12 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         G = G.to(torch.float32).contiguous()
     # Schedule.scan_operands "pregated" (vector gates): K_t and Q_g formed once, here, and read by both scans. They
     # are dropped with W below, after the join: the side stream's reverse scan may read them until then.
-    scan_q, scan_k, pregated = q, k, False
+    scan_q, scan_k, pregated, gate_range = q, k, False, None
     if sc.scan_operands == "pregated" and G is not None and G.dim() == 4:
-        scan_q, scan_k = gated_scan_operands(q, k, G, scale=scale, chunk_size=C)
+        if vector_local.RANGE_FROM_OPERANDS:  # and the consumer's range guard reads G's per-chunk max and min
+            scan_q, scan_k, gate_range = gated_scan_operands(q, k, G, scale=scale, chunk_size=C, with_range=True)
+        else:
+            scan_q, scan_k = gated_scan_operands(q, k, G, scale=scale, chunk_size=C)
         pregated = True
 
     # Stages on a second stream (Schedule.side_stream). Every tensor the side stream reads or writes is held here
@@ -392,6 +396,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     given = {} if dq_made is None else {"dq": dq_made[0], "gbq": dq_made[1]}
     if ranges is not None:
         given.update(chunk_ranges=ranges, dv_out=dv_out)
+    if gate_range is not None:
+        given["gate_range"] = gate_range
     dq, dk, dv, dg, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)

@@ -9,6 +9,10 @@ path of a latency-bound loop, and each of the V / BV programs of a head repeats 
 forms both in the input dtype, the values the scans cast to before their products anyway, so the scans give the
 same bits and load two 16-bit tiles and G's last row per step (FLA's KDA backward hands its state scan gated q and
 k in the same way).
+
+With ``with_range=True`` the kernel also writes each chunk's per-channel maximum and minimum of G over its valid rows
+([B, NT, H, 2, K] fp32), which the vector consumer's range guard reads instead of reducing its [C, BK] gate tile
+across warps (`vector_local.RANGE_FROM_OPERANDS`).
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from .recompute import GATE_VECTOR, gate_kind, validate_chunk_size, validate_lau
 
 @triton.jit(do_not_specialize=["T", "H"])
 def rewy_scan_operands_kernel(
-    q, k, G, qg, kt,
+    q, k, G, qg, kt, grange,
     T, scale,
-    H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, RANGE: tl.constexpr,
 ):
     i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -46,13 +50,21 @@ def rewy_scan_operands_kernel(
     b_qg = b_q.to(tl.float32) * (tl.exp(b_g) * scale)
     tl.store(kt + p, b_kt.to(kt.dtype.element_ty), mask=m_rk)
     tl.store(qg + p, b_qg.to(qg.dtype.element_ty), mask=m_rk)
+    if RANGE:  # the consumer's `_tile_range` expressions over the same valid rows
+        b_max = tl.max(tl.where(m_row[:, None], b_g, float("-inf")), axis=0)
+        b_min = tl.min(tl.where(m_row[:, None], b_g, float("inf")), axis=0)
+        p_r = ((i_b * tl.cdiv(T, BT) + i_t) * H + i_h).to(tl.int64) * (2 * K) + o_k
+        tl.store(grange + p_r, b_max, mask=m_k)
+        tl.store(grange + p_r + K, b_min, mask=m_k)
 
 
 def gated_scan_operands(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, *, scale: float, chunk_size: int = 64,
-                        BK: int = 64, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                        BK: int = 64, num_warps: int = 4, with_range: bool = False) -> tuple[torch.Tensor, ...]:
     """(Q_g, K_t), both [B,T,H,K] in q's dtype: Q_g = scale · q ⊙ exp(G), K_t = k ⊙ exp(G_n − G) with G_n the
     last row of each chunk of chunk_size rows (the last valid row in a tail chunk). q, k [B,T,H,K] of one dtype;
-    G [B,T,H,K] fp32, the chunk-local cumulative gate. The scans take them with ``pregated=True``."""
+    G [B,T,H,K] fp32, the chunk-local cumulative gate. The scans take them with ``pregated=True``.
+    with_range: also the gate's range per chunk and channel, (Q_g, K_t, range) with range [B, NT, H, 2, K] fp32:
+    [..., 0, :] the maximum of G over the chunk's valid rows, [..., 1, :] the minimum."""
     for name, t in (("q", q), ("k", k), ("G", G)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -73,6 +85,9 @@ def gated_scan_operands(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, *, sc
     B, T, H, K = k.shape
     q, k, G = q.contiguous(), k.contiguous(), G.contiguous()
     qg, kt = torch.empty_like(q), torch.empty_like(k)
-    grid = (triton.cdiv(T, chunk_size), B * H, triton.cdiv(K, BK))
-    rewy_scan_operands_kernel[grid](q, k, G, qg, kt, T, scale, H, K=K, BT=chunk_size, BK=BK, num_warps=num_warps)
-    return qg, kt
+    NT = triton.cdiv(T, chunk_size)
+    grange = torch.empty(B, NT, H, 2, K, dtype=torch.float32, device=G.device) if with_range else None
+    grid = (NT, B * H, triton.cdiv(K, BK))
+    rewy_scan_operands_kernel[grid](q, k, G, qg, kt, grange if with_range else G, T, scale, H, K=K, BT=chunk_size,
+                                    BK=BK, RANGE=with_range, num_warps=num_warps)
+    return (qg, kt, grange) if with_range else (qg, kt)

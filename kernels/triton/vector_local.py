@@ -75,6 +75,12 @@ NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the 
 # 328 -> 160, R 352 -> 152; KDA A 9 736 -> 9 424 instructions. Off until the H200 has run
 # test_gpu_consumer_last_row_load and timed it (session 25 had no device time left).
 LAST_ROW_LOAD = False
+# RANGE_FROM_OPERANDS: with the scans' operands pregated, their kernel also writes each chunk's per-channel max and
+# min of G (`scan_operands.gated_scan_operands(with_range=True)`), and the consumer's range guard reads them ([BK]
+# loads) instead of reducing its [C, BK] gate tile across warps (`_tile_range`: two column reductions, barriers, and
+# the wait for the tile's load before the centred products can start). The same bits. Off until GPU-gated and timed
+# (test_gpu_consumer_range_from_operands).
+RANGE_FROM_OPERANDS = False
 
 
 @triton.jit
@@ -274,7 +280,7 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_vector(
-    q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
+    q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange,
     dq, dk, dv, hd, dg, derase, dwrite, paths,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
@@ -282,6 +288,7 @@ def rewy_bwd_kernel_consumer_vector(
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
     ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr, GN_LOAD: tl.constexpr,
+    RANGE_IN: tl.constexpr,
 ):
     # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
@@ -292,6 +299,7 @@ def rewy_bwd_kernel_consumer_vector(
     i_bh = tl.program_id(1)
     i_ks = tl.program_id(2)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
+    r_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (2 * K)  # grange [B, NT, H, 2, K]
     DT = k.dtype.element_ty
     m_cc = m_row[:, None] & m_row[None, :]
     m_lt = (o_i[:, None] > o_i[None, :]) & m_cc
@@ -372,7 +380,13 @@ def rewy_bwd_kernel_consumer_vector(
 
         # ---- intra contractions X_q, X_e, X_y, all [BT, BK] rows
         b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-        b_c, delta = _tile_range(b_g, m_row, m_k)
+        if RANGE_IN:  # the chunk's per-channel max and min of G, from the scan operands' kernel (RANGE_FROM_OPERANDS)
+            b_max = tl.load(grange + r_off + o_k, mask=m_k, other=0.0)
+            b_min = tl.load(grange + r_off + K + o_k, mask=m_k, other=0.0)
+            b_c = (b_max + b_min) * 0.5
+            delta = tl.max(b_max - b_min, axis=0)
+        else:
+            b_c, delta = _tile_range(b_g, m_row, m_k)
         use_centred = _use_centred(delta, INTRA, MAX_RANGE)
         tl.store(paths + (i_bh * NT + i_t) * NK + i_k, tl.where(use_centred, 1, 2))
         if use_centred:
@@ -585,11 +599,13 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                     intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1, chunk_ranges=None,
-                    dv_out=None, one_beta: bool = False):
+                    dv_out=None, one_beta: bool = False, gate_range=None):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
     programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
     chunk_ranges, dv_out: as ``consumer_tma.consumer_tma``'s (Schedule.consumer_ranges: one launch per chunk range,
-    each after the reverse scan's; dv written into a given buffer); the same bits as one launch.
+    each after the reverse scan's; dv written into a given buffer); the same bits as one launch. gate_range: the
+    per-chunk, per-channel max and min of G, [B, NT, H, 2, K] fp32 (`scan_operands.gated_scan_operands(with_range=
+    True)`), read by the range guard instead of reducing G's tile; None: reduced here.
 
     Returns (dq, dk, dv, dg, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
@@ -611,6 +627,10 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     for name, t in (("S0", S0), ("dS1", dS1)):
         if tuple(t.shape) != (B, NT, H, K, V):
             raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
+    if gate_range is not None and (tuple(gate_range.shape) != (B, NT, H, 2, K) or gate_range.dtype != torch.float32
+                                   or not gate_range.is_contiguous()):
+        raise ValueError(f"gate_range must be a contiguous float32 [B, NT, H, 2, K]={(B, NT, H, 2, K)}, got "
+                         f"{tuple(gate_range.shape)} {gate_range.dtype}")
     s0_vk = is_v_first(S0)
     S0, dS1 = (S0 if s0_vk else S0.contiguous()), dS1.contiguous()
     joint = P is None
@@ -635,14 +655,15 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
     for c0, c1 in checked_ranges(chunk_ranges, NT):
         rewy_bwd_kernel_consumer_vector[(c1 - c0, B * H, k_split)](
-            q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
+            q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, G if gate_range is None else gate_range,
             dq, dk, dv, hd, dg, derp, dwrite, paths,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
-            SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, num_warps=num_warps, num_stages=num_stages,
+            SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None, num_warps=num_warps,
+            num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)

@@ -291,6 +291,45 @@ def test_consumer_last_row_load_bits(op, consumer, k_split, monkeypatch):
     assert launches == [False, True] * 2, launches
 
 
+@pytest.mark.parametrize("op, consumer, k_split", [("kda", "separate", 2), ("gdn2", "joint", 1)])
+def test_consumer_range_from_operands_bits(op, consumer, k_split, monkeypatch):
+    # RANGE_FROM_OPERANDS: the range guard reads G's per-chunk max and min from the pregated operands' kernel; the
+    # bits of the tile reduction it replaces, in a tail chunk (T = 100), over a ragged K (48 in 16-wide tiles), with
+    # strong decay on half the channels (both paths run: asserted from the flags), and the oracle's gate, under both
+    # policies. Without pregated operands nothing passes the range in.
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs(op, 1, 100, 2, 48, 32, seed=53, decay="mixed")
+    s = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16}, forward_scan={"block_k": 64},
+                     reverse_scan={"block_k": 64}, consumer_k_split=k_split, scan_operands="pregated")
+    launches = []
+    spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(kw["RANGE_IN"]))
+    ref = oracle(x)
+    for policy in ("R", "A"):
+        monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", False)
+        reduced = run_triton(x, s, policy)
+        monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", True)
+        paths = {}
+        loaded = run_triton(x, s, policy, paths=paths)
+        assert set(paths["flags"].unique().tolist()) == {vl.PATH_CENTRED, vl.PATH_SUBCHUNK}, paths["flags"]
+        assert_same_bits(loaded, reduced, ctx=f"{op} {policy} range from operands vs reduced")
+        assert_gates(loaded, ref, ctx=f"{op} {policy} range from operands")
+        run_triton(x, s.replace(scan_operands="inline"), policy)
+    assert launches == [False, True, False] * 2, launches
+
+
+def test_consumer_gate_range_bad_shape():
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs("kda", 1, 40, 1, 16, 16, seed=3)
+    B, T, H, K = x["q"].shape
+    z = lambda *s: torch.zeros(*s)
+    args = (x["q"], x["k"], x["v"], z(B, T, H, K), x["erase"], x["write"], z(B, T, H, 32), z(B, T, H, 16),
+            z(B, T, H, 16), z(B, 2, H, K, 16), z(B, 2, H, K, 16), z(B, T, H, 16))
+    with pytest.raises(ValueError, match=r"gate_range must be a contiguous float32 \[B, NT, H, 2, K\]"):
+        vl.consumer_vector(*args, scale=1.0, chunk_size=32, BK=16, BV=16, gate_range=z(B, 2, H, K))
+
+
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
 @pytest.mark.parametrize("k_split", [1, 2])
 def test_kda_one_beta(k_split, consumer):
@@ -416,6 +455,14 @@ def test_gated_scan_operands_values():
     for got, want in ((kt, want_k), (qg, want_q)):
         err = (got.double() - want).abs()
         assert torch.all(err <= 2.0 ** -7 * want.abs()), err.max()  # one bf16 rounding (and an fp32 exp)
+    # with_range: the same operands, and G's max and min per chunk and channel over the valid rows, exactly
+    qg2, kt2, grange = gated_scan_operands(q, k, G, scale=0.3, chunk_size=C, BK=32, with_range=True)
+    assert torch.equal(qg2, qg) and torch.equal(kt2, kt)
+    NT = -(-T // C)
+    assert grange.shape == (B, NT, H, 2, K) and grange.dtype == torch.float32
+    for i, c0 in enumerate(range(0, T, C)):
+        rows = G[:, c0:c0 + C]
+        assert torch.equal(grange[:, i, :, 0], rows.amax(1)) and torch.equal(grange[:, i, :, 1], rows.amin(1)), i
 
 
 def test_gated_scan_operands_bad_inputs():
@@ -1007,6 +1054,32 @@ def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
     a, b = run_triton(x, s, policy), run_triton(x, s, policy)
     assert_gates(a, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} narrowed split")
     assert_same_bits(b, a, ctx="run twice")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_consumer_range_from_operands(op, B, T, H, policy, monkeypatch):
+    # The gate for RANGE_FROM_OPERANDS (vector_local.py; off until this passes on the H200), with and without
+    # LAST_ROW_LOAD: each policy's default (pregated operands), the oracle's gate, then the same bits as the tile
+    # reduction; strong decay on half the channels at (1, 1000, 3) (both paths of the range guard)
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    decay = "mixed" if T == 1000 else "normal"
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0,
+                    decay=decay)
+    s = _gpu_schedule(128, op, policy=policy)
+    assert s.scan_operands == "pregated"
+    monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", False)
+    reduced = run_triton(x, s, policy)
+    for last_row in (False, True):
+        monkeypatch.setattr(vl, "LAST_ROW_LOAD", last_row)
+        monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", True)
+        loaded = run_triton(x, s, policy)
+        assert_gates(loaded, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} range in, {last_row=}")
+        assert_same_bits(loaded, reduced, ctx=f"range from operands vs reduced, {last_row=}")
 
 
 @BF16_ON_INTERPRETER
