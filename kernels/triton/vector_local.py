@@ -73,13 +73,13 @@ NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the 
 # tile). The same bits (a sum of one value and zeros is that value). sm_90 compiles on a CPU (session 25,
 # `compile_times.py --kernels consumer_vector`, H = 16): stack per thread KDA A 272 -> 64 B, R 280 -> 80, GDN2 A
 # 328 -> 160, R 352 -> 152; KDA A 9 736 -> 9 424 instructions. Off until the H200 has run
-# test_gpu_consumer_last_row_load and timed it (session 25 had no device time left).
+# test_gpu_consumer_flags and timed it (session 25 had no device time left).
 LAST_ROW_LOAD = False
 # RANGE_FROM_OPERANDS: with the scans' operands pregated, their kernel also writes each chunk's per-channel max and
 # min of G (`scan_operands.gated_scan_operands(with_range=True)`), and the consumer's range guard reads them ([BK]
 # loads) instead of reducing its [C, BK] gate tile across warps (`_tile_range`: two column reductions, barriers, and
 # the wait for the tile's load before the centred products can start). The same bits. Off until GPU-gated and timed
-# (test_gpu_consumer_range_from_operands).
+# (test_gpu_consumer_flags).
 RANGE_FROM_OPERANDS = False
 
 

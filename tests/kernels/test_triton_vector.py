@@ -268,54 +268,37 @@ def test_consumer_k_split_shared_scratch_bits(consumer, monkeypatch):
     assert_same_bits(run_triton(x, s), apart, ctx=consumer)
 
 
-@pytest.mark.parametrize("op, consumer, k_split", [("kda", "joint", 1), ("gdn2", "separate", 2)])
-def test_consumer_last_row_load_bits(op, consumer, k_split, monkeypatch):
-    # LAST_ROW_LOAD: G_n loaded from the chunk's last valid row gives the bits of the column sum it replaces, in a
-    # tail chunk (T = 100: the last chunk's last row is row 35, not C - 1), over a ragged K (48 in 16-wide tiles, k
-    # split 2: each program its own tiles), strong decay on half the channels; and the oracle's gate under both policies
+@pytest.mark.parametrize("flag, constexpr, op, consumer, k_split", [
+    ("LAST_ROW_LOAD", "GN_LOAD", "kda", "joint", 1), ("LAST_ROW_LOAD", "GN_LOAD", "gdn2", "separate", 2),
+    ("RANGE_FROM_OPERANDS", "RANGE_IN", "kda", "separate", 2), ("RANGE_FROM_OPERANDS", "RANGE_IN", "gdn2", "joint", 1)])
+def test_consumer_flag_same_bits(flag, constexpr, op, consumer, k_split, monkeypatch):
+    # The vector consumer's flags (vector_local.py) give the bits of the reductions they replace: LAST_ROW_LOAD loads
+    # G's last chunk row instead of a column sum, RANGE_FROM_OPERANDS reads G's per-chunk max and min from the pregated
+    # operands' kernel instead of reducing the tile. A tail chunk (T = 100: the last chunk's last row is 35, not C - 1),
+    # a ragged K (48 in 16-wide tiles; k split 2: each program its own tiles), strong decay on half the channels (both
+    # paths of the range guard run: asserted), and the oracle's gate, under both policies.
     from rewy_tune.kernels.triton import vector_local as vl
 
     x = make_inputs(op, 1, 100, 2, 48, 32, seed=47, decay="mixed")
     s = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16}, forward_scan={"block_k": 64},
-                     reverse_scan={"block_k": 64}, consumer_k_split=k_split)
-    launches = []
-    spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(kw["GN_LOAD"]))
-    ref = oracle(x)
-    for policy in ("R", "A"):
-        monkeypatch.setattr(vl, "LAST_ROW_LOAD", False)
-        summed = run_triton(x, s, policy)
-        monkeypatch.setattr(vl, "LAST_ROW_LOAD", True)
-        loaded = run_triton(x, s, policy)
-        assert_same_bits(loaded, summed, ctx=f"{op} {policy} last row loaded vs summed")
-        assert_gates(loaded, ref, ctx=f"{op} {policy} last row loaded")
-    assert launches == [False, True] * 2, launches
-
-
-@pytest.mark.parametrize("op, consumer, k_split", [("kda", "separate", 2), ("gdn2", "joint", 1)])
-def test_consumer_range_from_operands_bits(op, consumer, k_split, monkeypatch):
-    # RANGE_FROM_OPERANDS: the range guard reads G's per-chunk max and min from the pregated operands' kernel; the
-    # bits of the tile reduction it replaces, in a tail chunk (T = 100), over a ragged K (48 in 16-wide tiles), with
-    # strong decay on half the channels (both paths run: asserted from the flags), and the oracle's gate, under both
-    # policies. Without pregated operands nothing passes the range in.
-    from rewy_tune.kernels.triton import vector_local as vl
-
-    x = make_inputs(op, 1, 100, 2, 48, 32, seed=53, decay="mixed")
-    s = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16}, forward_scan={"block_k": 64},
                      reverse_scan={"block_k": 64}, consumer_k_split=k_split, scan_operands="pregated")
     launches = []
-    spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(kw["RANGE_IN"]))
+    spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(kw[constexpr]))
     ref = oracle(x)
     for policy in ("R", "A"):
-        monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", False)
+        monkeypatch.setattr(vl, flag, False)
         reduced = run_triton(x, s, policy)
-        monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", True)
+        monkeypatch.setattr(vl, flag, True)
         paths = {}
-        loaded = run_triton(x, s, policy, paths=paths)
+        flagged = run_triton(x, s, policy, paths=paths)
         assert set(paths["flags"].unique().tolist()) == {vl.PATH_CENTRED, vl.PATH_SUBCHUNK}, paths["flags"]
-        assert_same_bits(loaded, reduced, ctx=f"{op} {policy} range from operands vs reduced")
-        assert_gates(loaded, ref, ctx=f"{op} {policy} range from operands")
-        run_triton(x, s.replace(scan_operands="inline"), policy)
-    assert launches == [False, True, False] * 2, launches
+        assert_same_bits(flagged, reduced, ctx=f"{op} {policy} {flag} vs the reduction")
+        assert_gates(flagged, ref, ctx=f"{op} {policy} {flag}")
+    assert launches == [False, True] * 2, launches
+    if flag == "RANGE_FROM_OPERANDS":  # only the pregated operands' kernel forms the range
+        launches.clear()
+        run_triton(x, s.replace(scan_operands="inline"))
+        assert launches == [False], launches
 
 
 def test_consumer_gate_range_bad_shape():
@@ -1061,10 +1044,11 @@ def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_consumer_range_from_operands(op, B, T, H, policy, monkeypatch):
-    # The gate for RANGE_FROM_OPERANDS (vector_local.py; off until this passes on the H200), with and without
-    # LAST_ROW_LOAD: each policy's default (pregated operands), the oracle's gate, then the same bits as the tile
-    # reduction; strong decay on half the channels at (1, 1000, 3) (both paths of the range guard)
+def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
+    # The gate for the vector consumer's LAST_ROW_LOAD and RANGE_FROM_OPERANDS (vector_local.py; off until this passes
+    # on the H200), each alone and both: each policy's default (pregated operands) at (1, 512, 4) (the narrowed
+    # split), (1, 2048, 16) and a tail with strong decay on half the channels (both paths of the range guard); the
+    # oracle's gate, then the same bits as with both off
     from rewy_tune.kernels.triton import vector_local as vl
 
     decay = "mixed" if T == 1000 else "normal"
@@ -1072,34 +1056,17 @@ def test_gpu_consumer_range_from_operands(op, B, T, H, policy, monkeypatch):
                     decay=decay)
     s = _gpu_schedule(128, op, policy=policy)
     assert s.scan_operands == "pregated"
+    monkeypatch.setattr(vl, "LAST_ROW_LOAD", False)
     monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", False)
     reduced = run_triton(x, s, policy)
-    for last_row in (False, True):
+    ref = oracle(x, device="cuda")
+    for last_row, range_in in ((True, False), (False, True), (True, True)):
         monkeypatch.setattr(vl, "LAST_ROW_LOAD", last_row)
-        monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", True)
-        loaded = run_triton(x, s, policy)
-        assert_gates(loaded, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} range in, {last_row=}")
-        assert_same_bits(loaded, reduced, ctx=f"range from operands vs reduced, {last_row=}")
-
-
-@BF16_ON_INTERPRETER
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["R", "A"])
-@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
-@pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_consumer_last_row_load(op, B, T, H, policy, monkeypatch):
-    # The gate for LAST_ROW_LOAD (vector_local.py; off until this passes on the H200): each policy's default with the
-    # consumer loading G_n, at (1, 512, 4) (the narrowed split), (1, 2048, 16) and a tail; the oracle's gate, then the
-    # same bits as the column sum
-    from rewy_tune.kernels.triton import vector_local as vl
-
-    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0)
-    s = _gpu_schedule(128, op, policy=policy)
-    monkeypatch.setattr(vl, "LAST_ROW_LOAD", True)
-    loaded = run_triton(x, s, policy)
-    assert_gates(loaded, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} last row loaded")
-    monkeypatch.setattr(vl, "LAST_ROW_LOAD", False)
-    assert_same_bits(loaded, run_triton(x, s, policy), ctx="last row loaded vs summed")
+        monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", range_in)
+        flagged = run_triton(x, s, policy)
+        ctx = f"gpu {op} {B},{T},{H} {policy} {last_row=} {range_in=}"
+        assert_gates(flagged, ref, ctx=ctx)
+        assert_same_bits(flagged, reduced, ctx=ctx + " vs both off")
 
 
 @BF16_ON_INTERPRETER
