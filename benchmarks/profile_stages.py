@@ -31,6 +31,8 @@ FLAG_VARIANTS = {
     "last-row": {"LAST_ROW_LOAD": True},
     "range-in": {"RANGE_FROM_OPERANDS": True},
     "last-row+range-in": {"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True},
+    "vloop-s2": {"V_LOOP_STAGES": 2},
+    "all-flags": {"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True, "V_LOOP_STAGES": 2},
 }
 
 

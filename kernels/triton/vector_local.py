@@ -81,6 +81,15 @@ LAST_ROW_LOAD = False
 # the wait for the tile's load before the centred products can start). The same bits. Off until GPU-gated and timed
 # (test_gpu_consumer_flags).
 RANGE_FROM_OPERANDS = False
+# V_LOOP_STAGES: software-pipeline depth of the consumer's two loops over V tiles (phase 1: H, D, P, dv; the inter
+# products P S0ᵀ, dO S0ᵀ, R dS1ᵀ), whose loads feed tensor-core products: at 2 the next V tile's operands load
+# while this one's products run. The rest of the kernel stays at the schedule's num_stages (1 on the H200: its
+# pipelined fp32 slices cost more than they hid, session 7). Session 23's ncu had phase 1 and the inter loop at 26 %
+# of KDA A's consumer stall samples, half of it waiting on loads. sm_90 compiles (KDA A, 64 x 64, 8 warps): shared
+# memory 40 960 -> 90 112 B, stack 272 -> 256 B; one CTA per SM either way (255 registers). The same arithmetic in
+# the same order (the interpreter ignores the depth); the GPU gate checks the oracle and run-twice bits. Off until timed
+# on the H200; if it wins, a Schedule field with its shared memory in the vector model (the flag is outside it).
+V_LOOP_STAGES = 1
 
 
 @triton.jit
@@ -288,7 +297,7 @@ def rewy_bwd_kernel_consumer_vector(
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
     ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr, GN_LOAD: tl.constexpr,
-    RANGE_IN: tl.constexpr,
+    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr,
 ):
     # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
@@ -329,7 +338,7 @@ def rewy_bwd_kernel_consumer_vector(
     b_der = tl.zeros([BT], dtype=tl.float32)  # KDA erase path of β
 
     # Phase 1, once per chunk: H = dO Rᵀ (and D = −P Rᵀ when joint), the self terms, dv and the write path.
-    for i_v in range(0, tl.cdiv(V, BV)):
+    for i_v in tl.range(0, tl.cdiv(V, BV), num_stages=VSTAGES):  # V_LOOP_STAGES
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_rv = m_row[:, None] & m_v[None, :]
@@ -489,7 +498,7 @@ def rewy_bwd_kernel_consumer_vector(
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
         b_frob = tl.zeros([BK], dtype=tl.float32)  # rowsum_V(S0 ⊙ dS1) per key channel
-        for i_v in range(0, tl.cdiv(V, BV)):
+        for i_v in tl.range(0, tl.cdiv(V, BV), num_stages=VSTAGES):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
             m_rv = m_row[:, None] & m_v[None, :]
@@ -662,8 +671,8 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
-            SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None, num_warps=num_warps,
-            num_stages=num_stages,
+            SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None,
+            VSTAGES=V_LOOP_STAGES, num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)

@@ -268,15 +268,19 @@ def test_consumer_k_split_shared_scratch_bits(consumer, monkeypatch):
     assert_same_bits(run_triton(x, s), apart, ctx=consumer)
 
 
-@pytest.mark.parametrize("flag, constexpr, op, consumer, k_split", [
-    ("LAST_ROW_LOAD", "GN_LOAD", "kda", "joint", 1), ("LAST_ROW_LOAD", "GN_LOAD", "gdn2", "separate", 2),
-    ("RANGE_FROM_OPERANDS", "RANGE_IN", "kda", "separate", 2), ("RANGE_FROM_OPERANDS", "RANGE_IN", "gdn2", "joint", 1)])
-def test_consumer_flag_same_bits(flag, constexpr, op, consumer, k_split, monkeypatch):
+@pytest.mark.parametrize("flag, off, on, constexpr, op, consumer, k_split", [
+    ("LAST_ROW_LOAD", False, True, "GN_LOAD", "kda", "joint", 1),
+    ("LAST_ROW_LOAD", False, True, "GN_LOAD", "gdn2", "separate", 2),
+    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "kda", "separate", 2),
+    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "gdn2", "joint", 1),
+    ("V_LOOP_STAGES", 1, 2, "VSTAGES", "gdn2", "joint", 2)])
+def test_consumer_flag_same_bits(flag, off, on, constexpr, op, consumer, k_split, monkeypatch):
     # The vector consumer's flags (vector_local.py) give the bits of the reductions they replace: LAST_ROW_LOAD loads
     # G's last chunk row instead of a column sum, RANGE_FROM_OPERANDS reads G's per-chunk max and min from the pregated
     # operands' kernel instead of reducing the tile. A tail chunk (T = 100: the last chunk's last row is 35, not C - 1),
     # a ragged K (48 in 16-wide tiles; k split 2: each program its own tiles), strong decay on half the channels (both
-    # paths of the range guard run: asserted), and the oracle's gate, under both policies.
+    # paths of the range guard run: asserted), and the oracle's gate, under both policies. (V_LOOP_STAGES: only that
+    # the depth reaches the kernel and tl.range runs here; the interpreter does not pipeline.)
     from rewy_tune.kernels.triton import vector_local as vl
 
     x = make_inputs(op, 1, 100, 2, 48, 32, seed=47, decay="mixed")
@@ -286,15 +290,15 @@ def test_consumer_flag_same_bits(flag, constexpr, op, consumer, k_split, monkeyp
     spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(kw[constexpr]))
     ref = oracle(x)
     for policy in ("R", "A"):
-        monkeypatch.setattr(vl, flag, False)
+        monkeypatch.setattr(vl, flag, off)
         reduced = run_triton(x, s, policy)
-        monkeypatch.setattr(vl, flag, True)
+        monkeypatch.setattr(vl, flag, on)
         paths = {}
         flagged = run_triton(x, s, policy, paths=paths)
         assert set(paths["flags"].unique().tolist()) == {vl.PATH_CENTRED, vl.PATH_SUBCHUNK}, paths["flags"]
         assert_same_bits(flagged, reduced, ctx=f"{op} {policy} {flag} vs the reduction")
         assert_gates(flagged, ref, ctx=f"{op} {policy} {flag}")
-    assert launches == [False, True] * 2, launches
+    assert launches == [off, on] * 2, launches
     if flag == "RANGE_FROM_OPERANDS":  # only the pregated operands' kernel forms the range
         launches.clear()
         run_triton(x, s.replace(scan_operands="inline"))
@@ -1046,9 +1050,9 @@ def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
     # The gate for the vector consumer's LAST_ROW_LOAD and RANGE_FROM_OPERANDS (vector_local.py; off until this passes
-    # on the H200), each alone and both: each policy's default (pregated operands) at (1, 512, 4) (the narrowed
-    # split), (1, 2048, 16) and a tail with strong decay on half the channels (both paths of the range guard); the
-    # oracle's gate, then the same bits as with both off
+    # on the H200), each alone and both, then V_LOOP_STAGES 2 on top: each policy's default (pregated operands) at
+    # (1, 512, 4) (the narrowed split), (1, 2048, 16) and a tail with strong decay on half the channels (both paths of
+    # the range guard); the oracle's gate, then the same bits as with both off
     from rewy_tune.kernels.triton import vector_local as vl
 
     decay = "mixed" if T == 1000 else "normal"
@@ -1067,6 +1071,12 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
         ctx = f"gpu {op} {B},{T},{H} {policy} {last_row=} {range_in=}"
         assert_gates(flagged, ref, ctx=ctx)
         assert_same_bits(flagged, reduced, ctx=ctx + " vs both off")
+    # V_LOOP_STAGES 2 with both: the tensor-core products of the pipelined loops may compile to other instructions,
+    # so the gate and run-twice bits, not the unpipelined bits
+    monkeypatch.setattr(vl, "V_LOOP_STAGES", 2)
+    piped = run_triton(x, s, policy)
+    assert_gates(piped, ref, ctx=f"gpu {op} {B},{T},{H} {policy} V loops at 2 stages")
+    assert_same_bits(run_triton(x, s, policy), piped, ctx="V loops at 2 stages, run twice")
 
 
 @BF16_ON_INTERPRETER
