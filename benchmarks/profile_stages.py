@@ -24,15 +24,19 @@ from rewy_tune.search_spaces import constraint, default_schedule
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
 
-# Variants that keep the default schedule and turn on flags of kernels/triton/vector_local.py (kernel changes not yet
-# on by default; session 25). Name them in --variants; the flags hold while the variant is profiled and measured (a
-# CUDA graph replays what its capture launched), and its kernels compile in this process, not ahead.
+# Variants that turn on flags of kernels/triton/vector_local.py (kernel changes not yet on by default; session 25):
+# name -> (flags, changes to the default schedule). Name them in --variants; the flags hold while the variant is
+# profiled and measured (a CUDA graph replays what its capture launched), and its kernels compile in this process,
+# not ahead. With all three flags the 4-warp 32 x 64 consumer compiles to 168 B of stack (sm_90, KDA A; 344 without):
+# two CTAs per SM (73 728 B of shared memory each), which session 7 timed slower when it spilled more.
+_ALL_FLAGS = {"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True, "V_LOOP_STAGES": 2}
 FLAG_VARIANTS = {
-    "last-row": {"LAST_ROW_LOAD": True},
-    "range-in": {"RANGE_FROM_OPERANDS": True},
-    "last-row+range-in": {"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True},
-    "vloop-s2": {"V_LOOP_STAGES": 2},
-    "all-flags": {"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True, "V_LOOP_STAGES": 2},
+    "last-row": ({"LAST_ROW_LOAD": True}, {}),
+    "range-in": ({"RANGE_FROM_OPERANDS": True}, {}),
+    "last-row+range-in": ({"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True}, {}),
+    "vloop-s2": ({"V_LOOP_STAGES": 2}, {}),
+    "all-flags": (_ALL_FLAGS, {}),
+    "all-flags-w4-32x64": (_ALL_FLAGS, {"consumer_cfg": {"num_warps": 4, "block_k": 32}}),
 }
 
 
@@ -278,7 +282,8 @@ def main():
         plan = {op: {n: s for n, s in variants.items() if n in keep} for op, variants in plan.items()}
         for op in ops:
             if op in ("kda", "gdn2"):
-                plan[op].update({n: plan[op]["default"] for n in keep if n in FLAG_VARIANTS})
+                plan[op].update({n: plan[op]["default"].replace(**FLAG_VARIANTS[n][1])
+                                 for n in keep if n in FLAG_VARIANTS})
     dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": cc}
     for op in ops:  # a variant over the shared-memory limit would only fail its compile (spill estimates still run)
         for name, sched in list(plan[op].items()):
@@ -310,7 +315,7 @@ def main():
                 elif pname not in plan[op] or (op, pname) in broken:
                     continue
                 else:
-                    with vector_flags(FLAG_VARIANTS.get(pname, {})):
+                    with vector_flags(FLAG_VARIANTS.get(pname, ({}, {}))[0]):
                         times = kernel_times(op, args.policy, plan[op][pname], shape)
                 print(f"   per kernel, {pname}: total {sum(times.values()):.4f}")
                 for name, ms in times.most_common(12):
@@ -320,7 +325,7 @@ def main():
                     print(f"   {vname:18s} SKIPPED: failed in its warm-up process ({broken[op, vname]})")
                     continue
                 try:
-                    with vector_flags(FLAG_VARIANTS.get(vname, {})):
+                    with vector_flags(FLAG_VARIANTS.get(vname, ({}, {}))[0]):
                         r = measure.measure_shape(op, measure.rewy_op_fn(op, args.policy, sched), fla, shape,
                                                   rounds=30)
                     table.setdefault(op, {}).setdefault(vname, {})[",".join(map(str, shape))] = [

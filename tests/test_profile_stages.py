@@ -1,0 +1,39 @@
+"""benchmarks/profile_stages.py's flag variants: the vector consumer's flags they name exist and differ from their
+current values (a typo, or a flag since turned on, would time the default and call it a variant), are set only for
+the duration, and the variants' schedules pass the vector model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from rewy_tune.kernels.triton import vector_local
+from rewy_tune.search_spaces import default_schedule, vector
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_stages.py"
+spec = importlib.util.spec_from_file_location("profile_stages", SCRIPT)
+profile_stages = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_stages)
+
+
+@pytest.mark.parametrize("name", list(profile_stages.FLAG_VARIANTS))
+def test_flag_variants_name_real_flags_and_valid_schedules(name):
+    flags, changes = profile_stages.FLAG_VARIANTS[name]
+    before = {f: getattr(vector_local, f) for f in flags}  # AttributeError: a flag vector_local does not have
+    assert all(type(v) is type(before[f]) and v != before[f] for f, v in flags.items()), (flags, before)
+    with profile_stages.vector_flags(flags):
+        assert {f: getattr(vector_local, f) for f in flags} == flags
+    assert {f: getattr(vector_local, f) for f in flags} == before
+    for policy in ("R", "A"):
+        sched = default_schedule((9, 0), op="kda", policy=policy).replace(**changes)
+        assert vector.constraint(sched, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
+
+
+def test_vector_flags_restores_after_an_error():
+    before = vector_local.LAST_ROW_LOAD
+    with pytest.raises(RuntimeError):
+        with profile_stages.vector_flags({"LAST_ROW_LOAD": not before}):
+            raise RuntimeError("a variant that fails")
+    assert vector_local.LAST_ROW_LOAD is before
