@@ -55,6 +55,11 @@ def vector_flags(flags: dict):
             setattr(vector_local, name, value)
 
 
+def variant_flags(name: str):
+    """`vector_flags` of a flag variant; no flags for any other variant."""
+    return vector_flags(FLAG_VARIANTS.get(name, ({}, {}))[0])
+
+
 def kernel_times(op, policy, schedule, shape, K=128, V=128, reps=5, fn=None):
     """Device time per kernel of one backward (ms, mean of `reps`): ours under `schedule`, or `fn` (FLA's op)."""
     inputs = measure.bench_inputs(op, shape, K, V, "cuda")
@@ -291,13 +296,13 @@ def main():
             if smem:
                 del plan[op][name]
                 print(f"   {op} {name}: not run, {smem[0]}")
-    names = [(op, name) for op in ops for name in plan[op]]
-    tasks = [warmup.WarmTask(op, args.policy, plan[op][name].to_dict(), shapes) for op, name in names
-             if name not in FLAG_VARIANTS]
+    # flag variants compile when measured, in this process (their flags are set there only)
+    warmed = [(op, name) for op in ops for name in plan[op] if name not in FLAG_VARIANTS]
+    tasks = [warmup.WarmTask(op, args.policy, plan[op][name].to_dict(), shapes) for op, name in warmed]
     # A variant that fails in its warm-up process (each runs in its own) is not run here: an illegal memory
     # access would poison this process's CUDA context and fail every variant after it (session 7's sweep).
     broken = {}
-    for (op, name), r in zip([n for n in names if n[1] not in FLAG_VARIANTS], warmup.warm(tasks, jobs=args.jobs)):
+    for (op, name), r in zip(warmed, warmup.warm(tasks, jobs=args.jobs)):
         if r.status != "ok":
             broken[(op, name)] = r.status
             print(f"   warm {op} {name} failed ({r.status}): {(r.message or '')[:160]}")
@@ -315,7 +320,7 @@ def main():
                 elif pname not in plan[op] or (op, pname) in broken:
                     continue
                 else:
-                    with vector_flags(FLAG_VARIANTS.get(pname, ({}, {}))[0]):
+                    with variant_flags(pname):
                         times = kernel_times(op, args.policy, plan[op][pname], shape)
                 print(f"   per kernel, {pname}: total {sum(times.values()):.4f}")
                 for name, ms in times.most_common(12):
@@ -325,7 +330,7 @@ def main():
                     print(f"   {vname:18s} SKIPPED: failed in its warm-up process ({broken[op, vname]})")
                     continue
                 try:
-                    with vector_flags(FLAG_VARIANTS.get(vname, ({}, {}))[0]):
+                    with variant_flags(vname):
                         r = measure.measure_shape(op, measure.rewy_op_fn(op, args.policy, sched), fla, shape,
                                                   rounds=30)
                     table.setdefault(op, {}).setdefault(vname, {})[",".join(map(str, shape))] = [

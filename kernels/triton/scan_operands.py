@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .recompute import GATE_VECTOR, gate_kind, validate_chunk_size, validate_launch, validate_tile
+from .vector_local import chunk_max_min
 
 
 @triton.jit(do_not_specialize=["T", "H"])
@@ -50,9 +51,8 @@ def rewy_scan_operands_kernel(
     b_qg = b_q.to(tl.float32) * (tl.exp(b_g) * scale)
     tl.store(kt + p, b_kt.to(kt.dtype.element_ty), mask=m_rk)
     tl.store(qg + p, b_qg.to(qg.dtype.element_ty), mask=m_rk)
-    if RANGE:  # the consumer's `_tile_range` expressions over the same valid rows
-        b_max = tl.max(tl.where(m_row[:, None], b_g, float("-inf")), axis=0)
-        b_min = tl.min(tl.where(m_row[:, None], b_g, float("inf")), axis=0)
+    if RANGE:  # the consumer's own reduction (`vector_local._tile_range`) over the same valid rows
+        b_max, b_min = chunk_max_min(b_g, m_row)
         p_r = ((i_b * tl.cdiv(T, BT) + i_t) * H + i_h).to(tl.int64) * (2 * K) + o_k
         tl.store(grange + p_r, b_max, mask=m_k)
         tl.store(grange + p_r + K, b_min, mask=m_k)

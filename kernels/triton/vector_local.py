@@ -93,15 +93,28 @@ V_LOOP_STAGES = 1
 
 
 @triton.jit
-def _tile_range(b_g, m_row, m_k):
-    """Per-channel mid-range c and the tile range Δ_tile over the chunk's valid rows / channels."""
+def chunk_max_min(b_g, m_row):
+    """Per-channel max and min of a [C, BK] gate tile over the chunk's valid rows (also scan_operands.py's range)."""
     b_max = tl.max(tl.where(m_row[:, None], b_g, float("-inf")), axis=0)
     b_min = tl.min(tl.where(m_row[:, None], b_g, float("inf")), axis=0)
+    return b_max, b_min
+
+
+@triton.jit
+def _centre_and_range(b_max, b_min, m_k):
+    """Per-channel mid-range c and the tile range Δ_tile over the tile's valid channels."""
     b_max = tl.where(m_k, b_max, 0.0)
     b_min = tl.where(m_k, b_min, 0.0)
     b_c = (b_max + b_min) * 0.5
     delta = tl.max(b_max - b_min, axis=0)
     return b_c, delta
+
+
+@triton.jit
+def _tile_range(b_g, m_row, m_k):
+    """Per-channel mid-range c and the tile range Δ_tile over the chunk's valid rows / channels."""
+    b_max, b_min = chunk_max_min(b_g, m_row)
+    return _centre_and_range(b_max, b_min, m_k)
 
 
 @triton.jit
@@ -392,8 +405,7 @@ def rewy_bwd_kernel_consumer_vector(
         if RANGE_IN:  # the chunk's per-channel max and min of G, from the scan operands' kernel (RANGE_FROM_OPERANDS)
             b_max = tl.load(grange + r_off + o_k, mask=m_k, other=0.0)
             b_min = tl.load(grange + r_off + K + o_k, mask=m_k, other=0.0)
-            b_c = (b_max + b_min) * 0.5
-            delta = tl.max(b_max - b_min, axis=0)
+            b_c, delta = _centre_and_range(b_max, b_min, m_k)
         else:
             b_c, delta = _tile_range(b_g, m_row, m_k)
         use_centred = _use_centred(delta, INTRA, MAX_RANGE)
