@@ -24,19 +24,15 @@ from rewy_tune.search_spaces import constraint, default_schedule
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
 
-# Variants that turn on flags of kernels/triton/vector_local.py (kernel changes not yet on by default; session 25):
-# name -> (flags, changes to the default schedule). Name them in --variants; the flags hold while the variant is
-# profiled and measured (a CUDA graph replays what its capture launched), and its kernels compile in this process,
-# not ahead. With all three flags the 4-warp 32 x 64 consumer compiles to 168 B of stack (sm_90, KDA A; 344 without):
-# two CTAs per SM (73 728 B of shared memory each), which session 7 timed slower when it spilled more.
-_ALL_FLAGS = {"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True, "V_LOOP_STAGES": 2}
+# Variants that set module flags of kernels/triton/vector_local.py (kernel choices outside the Schedule): name ->
+# (flags, changes to the default schedule). Name them in --variants; the flags hold while the variant is profiled and
+# measured (a CUDA graph replays what its capture launched), and its kernels compile in this process, not ahead.
+# Session 26 timed the three consumer changes of session 25 (then flags) on and made them the default: LAST_ROW_LOAD,
+# RANGE_FROM_OPERANDS and Schedule.consumer_v_stages 2. "no-flags" times the consumer without them against it.
 FLAG_VARIANTS = {
-    "last-row": ({"LAST_ROW_LOAD": True}, {}),
-    "range-in": ({"RANGE_FROM_OPERANDS": True}, {}),
-    "last-row+range-in": ({"LAST_ROW_LOAD": True, "RANGE_FROM_OPERANDS": True}, {}),
-    "vloop-s2": ({"V_LOOP_STAGES": 2}, {}),
-    "all-flags": (_ALL_FLAGS, {}),
-    "all-flags-w4-32x64": (_ALL_FLAGS, {"consumer_cfg": {"num_warps": 4, "block_k": 32}}),
+    "no-last-row": ({"LAST_ROW_LOAD": False}, {}),
+    "no-range-in": ({"RANGE_FROM_OPERANDS": False}, {}),
+    "no-flags": ({"LAST_ROW_LOAD": False, "RANGE_FROM_OPERANDS": False}, {"consumer_v_stages": 1}),
 }
 
 
@@ -159,6 +155,12 @@ def variants_for(op: str, base):
         # forward and a reverse CTA can share an SM: at B·H = 32 (2, 2048, 16) their 2 × 128 programs then fit in one
         # wave of the 132 SMs instead of two.
         out["fscan-s2"] = base.replace(forward_scan={"num_stages": 2})
+        # session 26: the consumer's two V loops software-pipelined (Schedule.consumer_v_stages, default 2 on the H200)
+        out["vloop-s1"] = base.replace(consumer_v_stages=1)
+        out["vloop-s3"] = base.replace(consumer_v_stages=3)
+        # with the V loops at 2 stages and the flags the 4-warp 32 x 64 consumer compiles to 168 B of stack (sm_90, KDA
+        # A; 344 without): two CTAs per SM. Session 26 (A): slower, KDA (1, 2048, 16) 0.3757 -> 0.4148 ms
+        out["cons-w4-32x64"] = base.replace(consumer_cfg={"num_warps": 4, "block_k": 32})
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:

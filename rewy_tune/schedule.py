@@ -58,7 +58,11 @@ scan, then one consumer launch). ``scan_operands`` is read by vector gates only 
 scans' [C, BV] tiles instead and accept any value): "inline" has each scan program form K_t = K ⊙ exp(G_n − G) and
 Q_g = s·Q ⊙ exp(G) in its serial chunk loop; "pregated" forms them once in a parallel stage before the scans
 (`kernels/triton/scan_operands.py`, two [B,T,H,K] tensors in the input dtype held until the reverse scan is done),
-which then read them and G's last rows only. The same bits.
+which then read them and G's last rows only. The same bits. ``consumer_v_stages`` is read by the vector consumers only
+(joint and separate): the software-pipeline depth of their two loops over V tiles (phase 1, and the inter products
+P S0ᵀ, dO S0ᵀ, R dS1ᵀ), whose loads feed tensor-core products; the rest of the kernel keeps
+``consumer_cfg.num_stages``. 0 follows ``consumer_cfg.num_stages`` (what the loops did before the field). The same
+arithmetic in the same order at any depth.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
 DQ_STAGES = ("consumer", "separate")
 CONSUMER_K_SPLITS = (0, 1, 2, 4)  # 0: "auto", chosen from the consumer's grid (local.programs_per_chunk)
-CONSUMER_RANGES = (0, 1, 2, 4, 8)  # the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
+CONSUMER_RANGES = (0, 1, 2, 4, 8)
+CONSUMER_V_STAGES = (0, 1, 2, 3)  # the vector consumers' V loops (0: consumer_cfg.num_stages)  # the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -163,6 +168,7 @@ class Schedule:
     dq_stage: str = "consumer"  # joint_tma: dq formed in the consumer, or in its own stage beside the reverse scan
     consumer_ranges: int = 1  # joint_tma, vector joint: consumer launches, each on chunks the scan has finished
     scan_operands: str = "inline"  # vector gates: the scans gate K and Q in their loop, or read them "pregated"
+    consumer_v_stages: int = 0  # vector consumers: pipeline depth of their V loops (0: consumer_cfg.num_stages)
 
     def __post_init__(self) -> None:
         if self.chunk_size not in CHUNK_SIZES:
@@ -183,6 +189,9 @@ class Schedule:
         if isinstance(self.consumer_ranges, bool) or self.consumer_ranges not in CONSUMER_RANGES:
             raise ValueError(f"Schedule.consumer_ranges must be one of {CONSUMER_RANGES}, got "
                              f"{self.consumer_ranges!r}")
+        if type(self.consumer_v_stages) is not int or self.consumer_v_stages not in CONSUMER_V_STAGES:
+            raise ValueError(f"Schedule.consumer_v_stages must be one of {CONSUMER_V_STAGES}, got "
+                             f"{self.consumer_v_stages!r}")
         if isinstance(self.scan_split_waves, bool) or self.scan_split_waves not in SPLIT_WAVES:
             raise ValueError(f"Schedule.scan_split_waves must be one of {SPLIT_WAVES}, got {self.scan_split_waves!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
@@ -199,6 +208,11 @@ class Schedule:
     @property
     def forward_state_tile(self) -> tuple[int, int]:
         return (self.forward_scan.block_k, self.forward_scan.block_v)
+
+    @property
+    def consumer_v_loop_stages(self) -> int:
+        """Pipeline depth of the vector consumers' V loops as launched (0 resolved to consumer_cfg.num_stages)."""
+        return self.consumer_v_stages or self.consumer_cfg.num_stages
 
     @property
     def reverse_state_tile(self) -> tuple[int, int]:

@@ -68,12 +68,15 @@ DV_LOCAL_SOURCE_CHOICES = ["recompute", "forward"]
 # The scans' gated operands K_t, Q_g: formed in each scan program's chunk loop ("inline") or once before the scans
 # ("pregated", kernels/triton/scan_operands.py: two [B,T,H,K] tensors more, the same bits).
 SCAN_OPERAND_CHOICES = ["inline", "pregated"]
+# Pipeline depth of the vector consumers' two V loops (Schedule.consumer_v_stages; 0, "as consumer_cfg.num_stages",
+# duplicates one of these and is not searched).
+CONSUMER_V_STAGE_CHOICES = [1, 2, 3]
 # Row block of the sub-chunk fallback (kernels/triton/vector_local.py SUBCHUNK_ROWS; a test keeps them equal).
 SUBCHUNK_ROWS = 16
 # The scans hold the K rows of the state in register blocks of at most 64 rows (kernels/triton/scan.py).
 STATE_BLOCK_ROWS = 64
 
-__all__ = ["CONDITIONS", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES",
+__all__ = ["CONDITIONS", "CONSUMER_V_STAGE_CHOICES", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES",
            "SCAN_OPERAND_CHOICES", "constraint", "default_schedule", "gpu_fault_reasons", "register_estimate",
            "schedule_from_params", "shared_memory_estimate", "space"]
 
@@ -98,6 +101,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
     out["scan_operands"] = list(SCAN_OPERAND_CHOICES)
+    out["consumer_v_stages"] = list(CONSUMER_V_STAGE_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)
     return out
 
@@ -178,14 +182,18 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
 
 
 def consumer_shared_memory(schedule: Schedule, V: int, e: int) -> int:
-    """consumer_vector: the larger of its two phases, plus 4 KB of reduction and barrier scratch.
+    """consumer_vector: the larger of its two phases, plus reduction and barrier scratch (8 KB; 2 KB with one V tile).
 
     Intra (per feature tile): the fp32 products take BC = 16-row slices of H, D, Hᵀ, Dᵀ ([C, 16] each) and
-    three [16, BK] fp32 operands per step; each pipeline stage holds a copy.
-    V loop (per feature tile): the joint mode's resident Aᵀ (C² in the input dtype), three [C, BV] tiles (R, dO
-    and R̄ or P; P in pd_dtype) and the tensor-core B operands S0ᵀ, dS1ᵀ [BV, BK] in the input dtype; each
-    stage beyond the first adds a prefetched S0ᵀ, dS1ᵀ pair in state_dtype.
-    Fitted to Triton 3.6's sm_90 compiles of the session-7 kernel (tests/test_search_spaces_vector.py AOT_SM90:
+    three [16, BK] fp32 operands per step; each pipeline stage of the feature loop holds a copy.
+    V loops (per feature tile): the joint mode's resident Aᵀ (C² in the input dtype), three [C, BV] tiles (R, dO
+    and R̄ or P; P in pd_dtype) and the tensor-core B operands S0ᵀ, dS1ᵀ [BV, BK] in the input dtype; each stage of
+    their pipeline beyond the first adds prefetched operands, 7/2·C·BV·e + 3/2·BV·BK·(state bytes) (fitted). Their depth is
+    Schedule.consumer_v_stages (0: the consumer's num_stages); with one V tile (BV ≥ V) the loop folds away and the
+    feature loop prefetches its operands at the consumer's num_stages instead, 4·C·BV·e + 2·BV·BK·(state bytes) per
+    stage (fitted; tight at 16 × 128 and 64 × 128, where campaign-gated consumers compile to 224 384 B at 3 stages
+    and 219 392 B at 2). Not modelled: at 128 × 128 and 2 stages Triton pipelines nothing (78 336 B; rejected here).
+    Fitted to Triton 3.6's sm_90 compiles of the session-26 kernel (tests/test_search_spaces_vector.py AOT_SM90:
     an upper bound within 40 KB on every row).
     """
     C = schedule.chunk_size
@@ -196,9 +204,13 @@ def consumer_shared_memory(schedule: Schedule, V: int, e: int) -> int:
     p_bytes = e if joint else (4 if schedule.pd_dtype == "fp32" else e)
     bc = min(16, C)
     intra = stages * (4 * C * bc * 4 + 3 * bc * BK * 4)
+    if V > BV:  # the V loops' own pipeline
+        per_stage, depth, scratch = (7 * C * BV * e + 3 * BV * BK * s_state) // 2, schedule.consumer_v_loop_stages, 8192
+    else:  # one V tile: the feature loop prefetches its operands
+        per_stage, depth, scratch = 4 * C * BV * e + 2 * BV * BK * s_state, stages, 2048
     v_loop = ((C * C * e if joint else 0) + 2 * C * BV * e + C * BV * p_bytes + 2 * BV * BK * e
-              + (stages - 1) * 2 * BV * BK * s_state)
-    return max(intra, v_loop) + 4096
+              + (depth - 1) * per_stage)
+    return max(intra, v_loop) + scratch
 
 
 def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
@@ -345,6 +357,11 @@ VECTOR_H200 = {
     # Six-shape benches with it (session 25; RESULTS.md): KDA R 1.454x, A 1.355x; GDN2 R 1.588x, A 1.500x (last
     # benched inline: R 1.128 / 1.239 in session 17, A 1.154 / 1.272, before session 24's narrowed consumer split).
     "scan_operands": "pregated",
+    # The consumer's two V loops software-pipelined at 2 stages (the rest of it at 1), with the flags LAST_ROW_LOAD and
+    # RANGE_FROM_OPERANDS (vector_local.py). Session 26 sweep, all three against none: KDA A (1, 2048, 16) 0.3968 ->
+    # 0.3757 ms, (1, 8192, 4) 0.4241 -> 0.4030; GDN2 A 0.4155 -> 0.3861, 0.4443 -> 0.4125; KDA R (2, 2048, 16) 0.8134 ->
+    # 0.7590, GDN2 R 0.8520 -> 0.7922. The two loops at 2 stages alone: KDA A (1, 2048, 16) 0.3940 ms.
+    "consumer_v_stages": 2,
 }
 
 
@@ -370,4 +387,6 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
         return Schedule(**{**VECTOR_H200, **(VECTOR_H200_POLICY_A if policy == "A" else {})})
     # the descriptor consumer is scalar-gate only: vector gates take the pointer kernel
     base = scalar.default_schedule(compute_capability, K=K, V=V, dtype=dtype, vector_gates=True)
-    return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))})
+    # the V loops at the consumer's own depth, written out (the tuner's space holds 1-3, not 0's "follow")
+    return base.replace(cumsum={"block_k": min(64, max(16, _pow2_ceil(K)))},
+                        consumer_v_stages=base.consumer_cfg.num_stages)

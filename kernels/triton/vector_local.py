@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rewy_tune.schedule import INTRA_PRECISIONS, Schedule
+from rewy_tune.schedule import CONSUMER_V_STAGES, INTRA_PRECISIONS, Schedule
 
 from .gate import gate_backward
 from .local import (_chunk_prologue, _output_like, checked_ranges, consumer_slots, is_v_first, output_buffer,
@@ -72,24 +72,17 @@ NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the 
 # extracting it from the [C, BK] tile with a column sum (a cross-warp reduction, shared memory and barriers, every
 # tile). The same bits (a sum of one value and zeros is that value). sm_90 compiles on a CPU (session 25,
 # `compile_times.py --kernels consumer_vector`, H = 16): stack per thread KDA A 272 -> 64 B, R 280 -> 80, GDN2 A
-# 328 -> 160, R 352 -> 152; KDA A 9 736 -> 9 424 instructions. Off until the H200 has run
-# test_gpu_consumer_flags and timed it (session 25 had no device time left).
-LAST_ROW_LOAD = False
+# 328 -> 160, R 352 -> 152; KDA A 9 736 -> 9 424 instructions.
 # RANGE_FROM_OPERANDS: with the scans' operands pregated, their kernel also writes each chunk's per-channel max and
 # min of G (`scan_operands.gated_scan_operands(with_range=True)`), and the consumer's range guard reads them ([BK]
 # loads) instead of reducing its [C, BK] gate tile across warps (`_tile_range`: two column reductions, barriers, and
-# the wait for the tile's load before the centred products can start). The same bits. Off until GPU-gated and timed
-# (test_gpu_consumer_flags).
-RANGE_FROM_OPERANDS = False
-# V_LOOP_STAGES: software-pipeline depth of the consumer's two loops over V tiles (phase 1: H, D, P, dv; the inter
-# products P S0ᵀ, dO S0ᵀ, R dS1ᵀ), whose loads feed tensor-core products: at 2 the next V tile's operands load
-# while this one's products run. The rest of the kernel stays at the schedule's num_stages (1 on the H200: its
-# pipelined fp32 slices cost more than they hid, session 7). Session 23's ncu had phase 1 and the inter loop at 26 %
-# of KDA A's consumer stall samples, half of it waiting on loads. sm_90 compiles (KDA A, 64 x 64, 8 warps): shared
-# memory 40 960 -> 90 112 B, stack 272 -> 256 B; one CTA per SM either way (255 registers). The same arithmetic in
-# the same order (the interpreter ignores the depth); the GPU gate checks the oracle and run-twice bits. Off until timed
-# on the H200; if it wins, a Schedule field with its shared memory in the vector model (the flag is outside it).
-V_LOOP_STAGES = 1
+# the wait for the tile's load before the centred products can start). The same bits.
+# Both on since session 26: the H200 passed test_gpu_consumer_flags (the oracle's gate and the same bits as both off,
+# both policies), and with Schedule.consumer_v_stages 2 they took KDA A (1, 2048, 16) 0.3968 -> 0.3757 ms, GDN2 A
+# 0.4155 -> 0.3861, KDA R (2, 2048, 16) 0.8134 -> 0.7590 (benchmarks/RESULTS.md, session 26). Off, the reductions
+# they replace run (tests/kernels/test_triton_vector.py::test_consumer_flag_same_bits).
+LAST_ROW_LOAD = True
+RANGE_FROM_OPERANDS = True
 
 
 @triton.jit
@@ -351,7 +344,7 @@ def rewy_bwd_kernel_consumer_vector(
     b_der = tl.zeros([BT], dtype=tl.float32)  # KDA erase path of β
 
     # Phase 1, once per chunk: H = dO Rᵀ (and D = −P Rᵀ when joint), the self terms, dv and the write path.
-    for i_v in tl.range(0, tl.cdiv(V, BV), num_stages=VSTAGES):  # V_LOOP_STAGES
+    for i_v in tl.range(0, tl.cdiv(V, BV), num_stages=VSTAGES):  # Schedule.consumer_v_stages
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_rv = m_row[:, None] & m_v[None, :]
@@ -620,13 +613,14 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                     intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1, chunk_ranges=None,
-                    dv_out=None, one_beta: bool = False, gate_range=None):
+                    dv_out=None, one_beta: bool = False, gate_range=None, v_stages: int = 0):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
     programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
     chunk_ranges, dv_out: as ``consumer_tma.consumer_tma``'s (Schedule.consumer_ranges: one launch per chunk range,
     each after the reverse scan's; dv written into a given buffer); the same bits as one launch. gate_range: the
     per-chunk, per-channel max and min of G, [B, NT, H, 2, K] fp32 (`scan_operands.gated_scan_operands(with_range=
-    True)`), read by the range guard instead of reducing G's tile; None: reduced here.
+    True)`), read by the range guard instead of reducing G's tile; None: reduced here. v_stages: software-pipeline
+    depth of the two loops over V tiles (Schedule.consumer_v_stages; 0: num_stages, as the rest of the kernel).
 
     Returns (dq, dk, dv, dg, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
@@ -639,6 +633,8 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     NT = triton.cdiv(T, chunk_size)
     _check_vector_gate(G, (B, T, H, K))
     _check_tiles(chunk_size, BK, BV, num_warps, num_stages)
+    if type(v_stages) is not int or v_stages not in CONSUMER_V_STAGES:
+        raise ValueError(f"v_stages must be one of {CONSUMER_V_STAGES} (0: num_stages), got {v_stages!r}")
     if intra not in INTRA_CODES:
         raise ValueError(f"intra must be one of {tuple(INTRA_CODES)}, got {intra!r}")
     if tuple(erase.shape) not in ((B, T, H), (B, T, H, K)):
@@ -684,7 +680,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
             SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None,
-            VSTAGES=V_LOOP_STAGES, num_warps=num_warps, num_stages=num_stages,
+            VSTAGES=v_stages or num_stages, num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)
@@ -756,7 +752,8 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
 
     def consumer(*args, **kwargs):
         *grads, flags = consumer_vector(*args, intra=schedule.intra, intra_precision=schedule.intra_precision,
-                                        k_split=schedule.consumer_k_split, one_beta=one_beta, **kwargs)
+                                        k_split=schedule.consumer_k_split, one_beta=one_beta,
+                                        v_stages=schedule.consumer_v_stages, **kwargs)
         if intra_paths is not None:
             intra_paths["flags"] = flags
         return grads

@@ -376,6 +376,7 @@ FIELD_CHANGES = {
     "dq_stage": "separate",  # read by joint_tma: paired with it below; see also test_query_side_stage
     "consumer_ranges": 2,  # read by joint_tma: paired with it below; see also test_consumer_ranges_*
     "scan_operands": "pregated",  # read by vector gates only (test_triton_vector.py); scalar gates ignore it
+    "consumer_v_stages": 2,  # read by the vector consumers only (test_triton_vector.py); scalar gates ignore it
 }
 
 

@@ -272,15 +272,13 @@ def test_consumer_k_split_shared_scratch_bits(consumer, monkeypatch):
     ("LAST_ROW_LOAD", False, True, "GN_LOAD", "kda", "joint", 1),
     ("LAST_ROW_LOAD", False, True, "GN_LOAD", "gdn2", "separate", 2),
     ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "kda", "separate", 2),
-    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "gdn2", "joint", 1),
-    ("V_LOOP_STAGES", 1, 2, "VSTAGES", "gdn2", "joint", 2)])
+    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "gdn2", "joint", 1)])
 def test_consumer_flag_same_bits(flag, off, on, constexpr, op, consumer, k_split, monkeypatch):
     # The vector consumer's flags (vector_local.py) give the bits of the reductions they replace: LAST_ROW_LOAD loads
     # G's last chunk row instead of a column sum, RANGE_FROM_OPERANDS reads G's per-chunk max and min from the pregated
     # operands' kernel instead of reducing the tile. A tail chunk (T = 100: the last chunk's last row is 35, not C - 1),
     # a ragged K (48 in 16-wide tiles; k split 2: each program its own tiles), strong decay on half the channels (both
-    # paths of the range guard run: asserted), and the oracle's gate, under both policies. (V_LOOP_STAGES: only that
-    # the depth reaches the kernel and tl.range runs here; the interpreter does not pipeline.)
+    # paths of the range guard run: asserted), and the oracle's gate, under both policies.
     from rewy_tune.kernels.triton import vector_local as vl
 
     x = make_inputs(op, 1, 100, 2, 48, 32, seed=47, decay="mixed")
@@ -315,6 +313,42 @@ def test_consumer_gate_range_bad_shape():
             z(B, T, H, 16), z(B, 2, H, K, 16), z(B, 2, H, K, 16), z(B, T, H, 16))
     with pytest.raises(ValueError, match=r"gate_range must be a contiguous float32 \[B, NT, H, 2, K\]"):
         vl.consumer_vector(*args, scale=1.0, chunk_size=32, BK=16, BV=16, gate_range=z(B, 2, H, K))
+
+
+@pytest.mark.parametrize("consumer, num_stages, v_stages, launched", [
+    ("joint", 1, 2, 2), ("separate", 2, 1, 1), ("joint", 2, 0, 2), ("separate", 1, 3, 3)])
+def test_consumer_v_stages(consumer, num_stages, v_stages, launched, monkeypatch):
+    # Schedule.consumer_v_stages reaches the consumer's V loops (0: the consumer's num_stages) and gives the oracle's
+    # gate and the bits of the loops at the consumer's own depth, under both policies (the interpreter does not
+    # pipeline; on the H200 test_gpu_consumer_flags checks the pipelined compile). Two V tiles, so the loops loop.
+    x = make_inputs("gdn2", 1, 100, 2, 32, 32, seed=53)
+    s = BASE.replace(consumer=consumer, consumer_cfg={"block_k": 16, "block_v": 16, "num_stages": num_stages},
+                     forward_scan={"block_k": 64}, reverse_scan={"block_k": 64})
+    launches = []
+    spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(kw["VSTAGES"]))
+    ref = oracle(x)
+    for policy in ("R", "A"):
+        own = run_triton(x, s.replace(consumer_v_stages=0), policy)
+        got = run_triton(x, s.replace(consumer_v_stages=v_stages), policy)
+        assert_same_bits(got, own, ctx=f"{consumer} {policy} V loops at {launched}")
+        assert_gates(got, ref, ctx=f"{consumer} {policy} V loops at {launched}")
+    assert launches == [num_stages, launched] * 2, launches
+    assert s.replace(consumer_v_stages=v_stages).consumer_v_loop_stages == launched
+
+
+def test_consumer_v_stages_bad_values():
+    for bad in (4, -1, True, 1.0, "2"):
+        with pytest.raises(ValueError, match=r"Schedule.consumer_v_stages must be one of \(0, 1, 2, 3\)"):
+            BASE.replace(consumer_v_stages=bad)
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs("kda", 1, 40, 1, 16, 16, seed=3)
+    B, T, H, K = x["q"].shape
+    z = lambda *s: torch.zeros(*s)
+    args = (x["q"], x["k"], x["v"], z(B, T, H, K), x["erase"], x["write"], z(B, T, H, 32), z(B, T, H, 16),
+            z(B, T, H, 16), z(B, 2, H, K, 16), z(B, 2, H, K, 16), z(B, T, H, 16))
+    with pytest.raises(ValueError, match=r"v_stages must be one of \(0, 1, 2, 3\) \(0: num_stages\), got 5"):
+        vl.consumer_vector(*args, scale=1.0, chunk_size=32, BK=16, BV=16, v_stages=5)
 
 
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
@@ -1049,10 +1083,11 @@ def test_gpu_consumer_narrowed_split(op, B, T, H, policy, monkeypatch):
 @pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
-    # The gate for the vector consumer's LAST_ROW_LOAD and RANGE_FROM_OPERANDS (vector_local.py; off until this passes
-    # on the H200), each alone and both, then V_LOOP_STAGES 2 on top: each policy's default (pregated operands) at
-    # (1, 512, 4) (the narrowed split), (1, 2048, 16) and a tail with strong decay on half the channels (both paths of
-    # the range guard); the oracle's gate, then the same bits as with both off
+    # The gate for the vector consumer's LAST_ROW_LOAD and RANGE_FROM_OPERANDS (vector_local.py; on since this passed on
+    # the H200, session 26), each alone and both, with its V loops unpipelined (consumer_v_stages 1), then at the
+    # default's depth (2): each policy's default (pregated operands) at (1, 512, 4) (the narrowed split),
+    # (1, 2048, 16) and a tail with strong decay on half the channels (both paths of the range guard); the oracle's
+    # gate, then the same bits as with both off
     from rewy_tune.kernels.triton import vector_local as vl
 
     decay = "mixed" if T == 1000 else "normal"
@@ -1060,6 +1095,8 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
                     decay=decay)
     s = _gpu_schedule(128, op, policy=policy)
     assert s.scan_operands == "pregated"
+    piped_depth = s.consumer_v_loop_stages
+    s = s.replace(consumer_v_stages=1)
     monkeypatch.setattr(vl, "LAST_ROW_LOAD", False)
     monkeypatch.setattr(vl, "RANGE_FROM_OPERANDS", False)
     reduced = run_triton(x, s, policy)
@@ -1071,12 +1108,12 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
         ctx = f"gpu {op} {B},{T},{H} {policy} {last_row=} {range_in=}"
         assert_gates(flagged, ref, ctx=ctx)
         assert_same_bits(flagged, reduced, ctx=ctx + " vs both off")
-    # V_LOOP_STAGES 2 with both: the tensor-core products of the pipelined loops may compile to other instructions,
-    # so the gate and run-twice bits, not the unpipelined bits
-    monkeypatch.setattr(vl, "V_LOOP_STAGES", 2)
+    # the V loops pipelined, with both flags: the tensor-core products of the pipelined loops may compile to other
+    # instructions, so the gate and run-twice bits, not the unpipelined bits
+    s = s.replace(consumer_v_stages=max(2, piped_depth))
     piped = run_triton(x, s, policy)
-    assert_gates(piped, ref, ctx=f"gpu {op} {B},{T},{H} {policy} V loops at 2 stages")
-    assert_same_bits(run_triton(x, s, policy), piped, ctx="V loops at 2 stages, run twice")
+    assert_gates(piped, ref, ctx=f"gpu {op} {B},{T},{H} {policy} V loops at {s.consumer_v_stages} stages")
+    assert_same_bits(run_triton(x, s, policy), piped, ctx="V loops pipelined, run twice")
 
 
 @BF16_ON_INTERPRETER
