@@ -171,8 +171,13 @@ class Schedule:
     consumer_v_stages: int = 0  # vector consumers: pipeline depth of their V loops (0: consumer_cfg.num_stages)
 
     def __post_init__(self) -> None:
-        if self.chunk_size not in CHUNK_SIZES:
-            raise ValueError(f"Schedule.chunk_size must be one of {CHUNK_SIZES}, got {self.chunk_size!r}")
+        # integer choices: an int of the listed values (1.0 or True compare equal to 1, and would reach the kernels)
+        for name, allowed in (("chunk_size", CHUNK_SIZES), ("consumer_k_split", CONSUMER_K_SPLITS),
+                              ("consumer_ranges", CONSUMER_RANGES), ("consumer_v_stages", CONSUMER_V_STAGES),
+                              ("scan_split_waves", SPLIT_WAVES)):
+            val = getattr(self, name)
+            if type(val) is not int or val not in allowed:
+                raise ValueError(f"Schedule.{name} must be one of {allowed}, got {val!r}")
         for name in STAGES:
             val = getattr(self, name)
             if isinstance(val, dict):  # accept dicts (JSON, replace) and normalise to StageConfig
@@ -183,17 +188,6 @@ class Schedule:
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 64:
                 raise ValueError(f"Schedule.{name} must be an int in [1, 64], got {val!r}")
-        if isinstance(self.consumer_k_split, bool) or self.consumer_k_split not in CONSUMER_K_SPLITS:
-            raise ValueError(f"Schedule.consumer_k_split must be one of {CONSUMER_K_SPLITS}, got "
-                             f"{self.consumer_k_split!r}")
-        if isinstance(self.consumer_ranges, bool) or self.consumer_ranges not in CONSUMER_RANGES:
-            raise ValueError(f"Schedule.consumer_ranges must be one of {CONSUMER_RANGES}, got "
-                             f"{self.consumer_ranges!r}")
-        if type(self.consumer_v_stages) is not int or self.consumer_v_stages not in CONSUMER_V_STAGES:
-            raise ValueError(f"Schedule.consumer_v_stages must be one of {CONSUMER_V_STAGES}, got "
-                             f"{self.consumer_v_stages!r}")
-        if isinstance(self.scan_split_waves, bool) or self.scan_split_waves not in SPLIT_WAVES:
-            raise ValueError(f"Schedule.scan_split_waves must be one of {SPLIT_WAVES}, got {self.scan_split_waves!r}")
         for name, allowed in (("state_dtype", STATE_DTYPES), ("consumer", CONSUMER_MODES),
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
                               ("intra_precision", INTRA_PRECISIONS),

@@ -839,6 +839,12 @@ def test_schedule_json_roundtrip_and_validation():
         with pytest.raises(ValueError, match=r"consumer_ranges must be one of \(0, 1, 2, 4, 8\), got"):
             BASE.replace(consumer_ranges=bad)
     assert Schedule.from_dict({k: v for k, v in BASE.to_dict().items() if k != "consumer_ranges"}).consumer_ranges == 1
+    # integer choices given as floats or bools (equal to a listed int, but not one): named and refused
+    for name, bad in (("chunk_size", 64.0), ("consumer_ranges", 1.0), ("consumer_k_split", 2.0),
+                      ("scan_split_waves", True), ("consumer_v_stages", 2.0)):
+        with pytest.raises(ValueError, match=rf"Schedule.{name} must be one of \(.*\), got {bad!r}"):
+            BASE.replace(**{name: bad})
+    assert Schedule.from_dict({k: v for k, v in BASE.to_dict().items() if k != "consumer_v_stages"}) == BASE
     with pytest.raises(ValueError, match="block_k"):
         StageConfig(block_k=48)
     with pytest.raises(ValueError, match="unknown"):
