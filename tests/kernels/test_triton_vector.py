@@ -303,16 +303,22 @@ def test_consumer_flag_same_bits(flag, off, on, constexpr, op, consumer, k_split
         assert launches == [False], launches
 
 
-def test_consumer_gate_range_bad_shape():
-    from rewy_tune.kernels.triton import vector_local as vl
-
+def _consumer_args():
+    """Positional arguments of vector_local.consumer_vector for a small KDA chunk pair (T = 40, C = 32): inputs to
+    check its argument errors with (zeros where only the shapes matter)."""
     x = make_inputs("kda", 1, 40, 1, 16, 16, seed=3)
     B, T, H, K = x["q"].shape
     z = lambda *s: torch.zeros(*s)
-    args = (x["q"], x["k"], x["v"], z(B, T, H, K), x["erase"], x["write"], z(B, T, H, 32), z(B, T, H, 16),
+    return (x["q"], x["k"], x["v"], z(B, T, H, K), x["erase"], x["write"], z(B, T, H, 32), z(B, T, H, 16),
             z(B, T, H, 16), z(B, 2, H, K, 16), z(B, 2, H, K, 16), z(B, T, H, 16))
+
+
+def test_consumer_gate_range_bad_shape():
+    from rewy_tune.kernels.triton import vector_local as vl
+
     with pytest.raises(ValueError, match=r"gate_range must be a contiguous float32 \[B, NT, H, 2, K\]"):
-        vl.consumer_vector(*args, scale=1.0, chunk_size=32, BK=16, BV=16, gate_range=z(B, 2, H, K))
+        vl.consumer_vector(*_consumer_args(), scale=1.0, chunk_size=32, BK=16, BV=16,
+                           gate_range=torch.zeros(1, 2, 1, 16))
 
 
 @pytest.mark.parametrize("consumer, num_stages, v_stages, launched", [
@@ -342,13 +348,8 @@ def test_consumer_v_stages_bad_values():
             BASE.replace(consumer_v_stages=bad)
     from rewy_tune.kernels.triton import vector_local as vl
 
-    x = make_inputs("kda", 1, 40, 1, 16, 16, seed=3)
-    B, T, H, K = x["q"].shape
-    z = lambda *s: torch.zeros(*s)
-    args = (x["q"], x["k"], x["v"], z(B, T, H, K), x["erase"], x["write"], z(B, T, H, 32), z(B, T, H, 16),
-            z(B, T, H, 16), z(B, 2, H, K, 16), z(B, 2, H, K, 16), z(B, T, H, 16))
     with pytest.raises(ValueError, match=r"v_stages must be one of \(0, 1, 2, 3\) \(0: num_stages\), got 5"):
-        vl.consumer_vector(*args, scale=1.0, chunk_size=32, BK=16, BV=16, v_stages=5)
+        vl.consumer_vector(*_consumer_args(), scale=1.0, chunk_size=32, BK=16, BV=16, v_stages=5)
 
 
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
