@@ -127,6 +127,8 @@ def declarative_space(op: str, K: int, V: int, interpreter: bool):
                 choices[name] = [v for v in vals if v <= 2] or vals[:1]
             elif name == "scan_split_waves":  # counts SMs of a GPU: nothing to tune on the interpreter
                 choices[name] = [0] if 0 in vals else vals[:1]
+            elif name == "consumer_v_stages":  # a pipeline depth: the interpreter does not pipeline
+                choices[name] = [1] if 1 in vals else vals[:1]
     if hasattr(ss, "conditions"):
         return choices, dict(_call(ss.conditions, op=op))
     return choices, dict(getattr(ss, "CONDITIONS", {}))

@@ -551,6 +551,7 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         assert all(("dv_local.block_k" in p) == (s.dv_local_source == "recompute") for s, p in sampled)
         assert {s.cumsum.block_k for s, _ in sampled} <= set(vector.space(128, 128)["cumsum.block_k"])
         assert len({s.cumsum.block_k for s, _ in sampled}) > 1
+        assert {s.consumer_v_stages for s, _ in sampled} == {1, 2, 3}
     for op in ("gdn", "deltanet"):
         sampled = _sample(op, n=8)
         assert all("intra" not in p and "cumsum.block_k" not in p for _, p in sampled)
@@ -558,8 +559,10 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         assert {s.intra_precision for s, _ in sampled} == {"ieee"}
         assert {s.dv_local_source for s, _ in sampled} == {"recompute"}
     # the interpreter demo keeps the vector choices (tiles capped at 32)
-    s, p = _sample("kda", n=1, interpreter=True)[0]
-    assert "intra" in p and s.cumsum.block_k <= 32
+    # and pins the V loops' depth (the interpreter does not pipeline: samples there would time the same code)
+    for s, p in _sample("kda", n=4, interpreter=True):
+        assert "intra" in p and s.cumsum.block_k <= 32
+        assert s.consumer_v_stages == 1 and "consumer_v_stages" not in p
 
 
 def test_tuner_constraint_uses_the_operators_model():
