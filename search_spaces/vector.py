@@ -76,9 +76,9 @@ SUBCHUNK_ROWS = 16
 # The scans hold the K rows of the state in register blocks of at most 64 rows (kernels/triton/scan.py).
 STATE_BLOCK_ROWS = 64
 
-__all__ = ["CONDITIONS", "CONSUMER_V_STAGE_CHOICES", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES", "INTRA_PRECISION_CHOICES",
-           "SCAN_OPERAND_CHOICES", "constraint", "default_schedule", "gpu_fault_reasons", "register_estimate",
-           "schedule_from_params", "shared_memory_estimate", "space"]
+__all__ = ["CONDITIONS", "CONSUMER_V_STAGE_CHOICES", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES",
+           "INTRA_PRECISION_CHOICES", "SCAN_OPERAND_CHOICES", "constraint", "default_schedule", "gpu_fault_reasons",
+           "register_estimate", "schedule_from_params", "shared_memory_estimate", "space"]
 
 
 # dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
@@ -188,11 +188,12 @@ def consumer_shared_memory(schedule: Schedule, V: int, e: int) -> int:
     three [16, BK] fp32 operands per step; each pipeline stage of the feature loop holds a copy.
     V loops (per feature tile): the joint mode's resident Aᵀ (C² in the input dtype), three [C, BV] tiles (R, dO
     and R̄ or P; P in pd_dtype) and the tensor-core B operands S0ᵀ, dS1ᵀ [BV, BK] in the input dtype; each stage of
-    their pipeline beyond the first adds prefetched operands, 7/2·C·BV·e + 3/2·BV·BK·(state bytes) (fitted). Their depth is
-    Schedule.consumer_v_stages (0: the consumer's num_stages); with one V tile (BV ≥ V) the loop folds away and the
-    feature loop prefetches its operands at the consumer's num_stages instead, 4·C·BV·e + 2·BV·BK·(state bytes) per
-    stage (fitted; tight at 16 × 128 and 64 × 128, where campaign-gated consumers compile to 224 384 B at 3 stages
-    and 219 392 B at 2). Not modelled: at 128 × 128 and 2 stages Triton pipelines nothing (78 336 B; rejected here).
+    their pipeline beyond the first adds prefetched operands, 7/2·C·BV·e + 3/2·BV·BK·(state bytes) (fitted). Their
+    depth is Schedule.consumer_v_stages (0: the consumer's num_stages); with one V tile (BV ≥ V) the loop folds away
+    and the feature loop prefetches its operands at the consumer's num_stages instead, 4·C·BV·e + 2·BV·BK·(state
+    bytes) per stage (fitted; tight at 16 × 128 and 64 × 128, where campaign-gated consumers compile to 224 384 B at
+    3 stages and 219 392 B at 2). Not modelled: at 128 × 128 and 2 stages Triton pipelines nothing (78 336 B;
+    rejected here).
     Fitted to Triton 3.6's sm_90 compiles of the session-26 kernel (tests/test_search_spaces_vector.py AOT_SM90:
     an upper bound within 40 KB on every row).
     """

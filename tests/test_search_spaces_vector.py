@@ -402,7 +402,8 @@ def test_the_h200_vector_defaults():
         pointer = {"consumer": "joint", "consumer_cfg": {"num_warps": 8}, "consumer_order": "fused",
                    "column_side": "scratch", "reverse_scan": {"block_v": 16, "num_stages": 2},
                    "forward_scan": {"block_v": 16, "num_stages": 2}, "scan_split_waves": 2}
-        # and the consumer's V loops at its own depth, written out (consumer_v_stages; the scalar default's 0 follows it)
+        # and the consumer's V loops at its own depth, written out (consumer_v_stages; the scalar default's 0 follows
+        # it)
         own_v = lambda sch: sch.replace(consumer_v_stages=sch.consumer_cfg.num_stages)
         fp32 = vector.default_schedule((9, 0), op=op, dtype="fp32")
         assert fp32 == own_v(scalar.default_schedule((9, 0), dtype="fp32").replace(**pointer))
