@@ -105,9 +105,13 @@ def variants_for(op: str, base):
         # session 15: two programs per chunk, each over half the feature tiles (32 programs at (1, 512, 4))
         out["cons-k2"] = base.replace(consumer_k_split=2)
         out["cons-k1"] = base.replace(consumer_k_split=1)  # session 17: against the "auto" default (0)
-        # session 18: the joint consumer in chunk ranges beside the reverse scan (policy A; not timed yet)
-        for n in (4, 8):
+        # session 18: the joint consumer in chunk ranges beside the reverse scan (policy A). The pipeline keeps one
+        # launch where the reverse scan splits (under A at B·H = 16 the one-wave rule splits it in 4), so the
+        # "rs-unsplit" variants time the ranges against an unsplit scan there (session 27)
+        for n in (2, 4, 8):
             out[f"ranges{n}"] = base.replace(consumer_ranges=n)
+            out[f"rs-unsplit-ranges{n}"] = base.replace(consumer_ranges=n, reverse_scan_segments=1)
+        out["rs-unsplit"] = base.replace(reverse_scan_segments=1)
         out["fscan-bv64"] = base.replace(forward_scan={"block_v": 64})
         # session 16: FLA's KDA scans run 32-wide state tiles with 16-bit states, 12-13 us each at (1, 512, 4)
         # against ours at 128 x 128 / 128 x 64 in fp32, split, 28-32 us. FLA's stages do not fit the vector scans

@@ -370,7 +370,13 @@ VECTOR_H200 = {
 # it. 64-wide state tiles then beat the 32-wide ones policy R takes. Session 21 sweep, KDA A (one-wave split limit):
 # (1, 4096, 8) 0.548 -> 0.467 ms (scan 246 -> 150 us: 8 segments of 8 chunks against 4 of 16), (1, 8192, 4)
 # 0.566 -> 0.500, (1, 2048, 16) 0.455 -> 0.453 (benchmarks/RESULTS.md, session 21).
-VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 2)}
+# Three stages (pregated operands: 204 800 B of shared memory): session 25 sweep 1.7-2.0 % faster at (1, 2048, 16) and
+# (1, 8192, 4), KDA and GDN2; gated on the H200 at the six bench shapes in session 26; session 27 sweep (KDA) (1, 2048,
+# 16) 0.3799 -> 0.3711 ms, (1, 8192, 16) 1.3831 -> 1.3467.
+# consumer_ranges auto (pipeline.consumer_range_count): where the scan would split in at most 4 segments (B·H >= 16),
+# it runs unsplit and the consumer of the chunks it has finished runs beside it, in ranges of at least 8 chunks
+# (session 27 sweep, KDA A: (1, 2048, 16) -3.9 %, (2, 2048, 16) -3.8 %, (1, 8192, 16) -8.4 %).
+VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 3), "consumer_ranges": 0}
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,

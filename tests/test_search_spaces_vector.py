@@ -423,7 +423,8 @@ def test_the_h200_vector_defaults():
 
 
 def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
-    # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep). R and
+    # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep), 3 stages
+    # and the consumer's chunk ranges beside it (session 27). R and
     # None keep the 32-wide ones; every other field, and every other default, is the same under both policies: both
     # read the scans' gated operands pregated (session 24 under A, session 25 under R).
     from rewy_tune import search
@@ -434,7 +435,8 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         a = vector.default_schedule((9, 0), op=op, policy="A")
         assert r == vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert (r.reverse_scan.block_v, a.reverse_scan.block_v) == (32, 64)
-        assert a == r.replace(reverse_scan={"block_v": 64})
+        # and at 3 stages, with the consumer in chunk ranges beside it where it would split in few segments (auto)
+        assert a == r.replace(reverse_scan={"block_v": 64, "num_stages": 3}, consumer_ranges=0)
         assert r.scan_operands == a.scan_operands == "pregated"
         assert vector.constraint(a, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
         params = search.schedule_params(a, op=op, K=128, V=128, interpreter=False)

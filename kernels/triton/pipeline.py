@@ -184,18 +184,30 @@ def side_stream_mode(schedule: Schedule, device: torch.device, stage_before: boo
 # in one launch, 1.116x in 4 ranges, 1.143x in 8; (1, 2048, 16) (32 chunks) 1.012x in one, 0.984x in 2, 1.017x in 4
 # and 0.794x in 8 (benchmarks/RESULTS.md).
 MIN_RANGE_CHUNKS = 16
+# The vector consumer's CTA runs ~70 us (DeltaNet's ~30), so shorter ranges pay: session 27 sweep, KDA A, ranges
+# with the reverse scan unsplit against the default (the scan split in 4 at B·H = 16, one launch): (1, 2048, 16)
+# 0.3799 -> 0.3651 ms in 4 ranges (0.3700 in 8, 0.3881 in 2); (2, 2048, 16) 0.6588 -> 0.6338 in 4; (1, 8192, 16)
+# 1.3831 -> 1.2667 in 8 (1.2964 in 4). Where the one-wave rule splits the scan in more than 4 segments (B·H <= 8 at
+# 64-wide tiles) the split stays: the unsplit scan's few programs would run alone too long (session 21: KDA A
+# (1, 8192, 4) 0.50 ms split, 0.91 unsplit).
+VECTOR_MIN_RANGE_CHUNKS = 8
+VECTOR_RANGES_MAX_SEGMENTS = 4
 
 
-def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False) -> int:
+def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False, scan_segments: int = 1) -> int:
     """How many chunk ranges the consumer runs in (Schedule.consumer_ranges; read by joint_tma and, for vector gates,
     the joint consumer; 1 for the others). The pipeline uses them only where the reverse scan runs last and alone
-    (not beside the forward scan: side_stream "reverse_scan" with a stage before it), and not where the scan
-    splits."""
+    (not beside the forward scan: side_stream "reverse_scan" with a stage before it). scan_segments: the segments the
+    reverse scan would split into without ranges (`scan.reverse_scan_segment_count`); the ranges run it unsplit. An
+    explicit count and scalar auto take no ranges where it splits; vector auto takes them in place of a split into at
+    most VECTOR_RANGES_MAX_SEGMENTS."""
     if schedule.consumer != ("joint" if vector else "joint_tma"):
         return 1
     if schedule.consumer_ranges:
-        return schedule.consumer_ranges
-    n = NT // MIN_RANGE_CHUNKS
+        return schedule.consumer_ranges if scan_segments == 1 else 1
+    if scan_segments > (VECTOR_RANGES_MAX_SEGMENTS if vector else 1):
+        return 1
+    n = NT // (VECTOR_MIN_RANGE_CHUNKS if vector else MIN_RANGE_CHUNKS)
     return min(8, n) if n >= 4 else 1
 
 
@@ -373,14 +385,15 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
     if mode != "reverse_scan":
-        n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C), vector=G is not None and G.dim() == 4)
-        if n_ranges > 1 and reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
-                                                       num_segments=sc.reverse_scan_segments,
-                                                       split_max_programs=split_limit) > 1:
-            n_ranges = 1  # a split scan runs its segments side by side already
+        segments = reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
+                                              num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
+        n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C), vector=G is not None and G.dim() == 4,
+                                        scan_segments=segments)
         if n_ranges > 1:
+            # unsplit: the ranges run in place of a split (vector auto, `consumer_range_count`)
             dS1, Rbar, dh0, launches = reverse_state_scan_ranges(scan_q, scan_k, W, G, do, dvl, dht,
-                                                                 num_ranges=n_ranges, **scan_args)
+                                                                 num_ranges=n_ranges,
+                                                                 **{**scan_args, "num_segments": 1})
             ranges = _scan_beside_consumer(launches, chase_streams(k.device))
             dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range
         else:

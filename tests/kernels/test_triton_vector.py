@@ -431,6 +431,52 @@ def test_consumer_ranges(op, source, monkeypatch):
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges {source}")
 
 
+def test_consumer_range_count_vector_auto():
+    # "auto" (0) for the vector joint consumer: ranges of at least 8 chunks where that makes 4 or more (at most 8),
+    # in place of a reverse-scan split into at most 4 segments (the ranges run the scan unsplit); an explicit count
+    # and scalar auto take none where the scan splits
+    from rewy_tune.kernels.triton.pipeline import consumer_range_count
+
+    auto = BASE.replace(consumer_ranges=0)
+    assert [consumer_range_count(auto, nt, vector=True) for nt in (8, 31, 32, 63, 64, 128, 512)] == [1, 1, 4, 7, 8,
+                                                                                                   8, 8]
+    assert [consumer_range_count(auto, 32, vector=True, scan_segments=s) for s in (1, 2, 4, 5, 8)] == [4, 4, 4, 1, 1]
+    assert consumer_range_count(auto.replace(consumer_ranges=2), 32, vector=True, scan_segments=2) == 1
+    assert consumer_range_count(auto.replace(consumer_ranges=2), 32, vector=True) == 2
+    assert consumer_range_count(auto.replace(consumer="separate"), 512, vector=True) == 1
+    tma = auto.replace(consumer="joint_tma")
+    assert consumer_range_count(tma, 128, scan_segments=2) == 1 and consumer_range_count(tma, 128) == 8
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_consumer_ranges_auto_in_place_of_a_split(op, monkeypatch):
+    # consumer_ranges auto where the reverse scan would split in few segments: the scan runs unsplit, range by range,
+    # and the consumer of each range after it; the same bits as the unsplit scan's one launch (a split sums in
+    # another order), and the gate. With more segments than VECTOR_RANGES_MAX_SEGMENTS the split stays and the
+    # consumer runs once.
+    from rewy_tune.kernels.triton import pipeline, scan
+
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=29)
+    split = BASE.replace(chunk_size=32, w_source="forward", reverse_scan_segments=2, scan_split_waves=0)
+    one = run_triton(x, split.replace(reverse_scan_segments=1), "A")
+    monkeypatch.setattr(pipeline, "VECTOR_MIN_RANGE_CHUNKS", 1)  # 4 chunks: 4 ranges
+    launches, scan_ranges = [], []
+    names = spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append((args[names.index("c_off")],
+                                                                                       grid[0])))
+    real = scan.reverse_state_scan_ranges
+    monkeypatch.setattr(pipeline, "reverse_state_scan_ranges",
+                        lambda *a, **kw: scan_ranges.append(kw["num_ranges"]) or real(*a, **kw))
+    auto = split.replace(consumer_ranges=0)
+    ranged = run_triton(x, auto, "A")
+    assert scan_ranges == [4] and launches == [(3, 1), (2, 1), (1, 1), (0, 1)]
+    assert_same_bits(ranged, one, ctx=f"{op} auto ranges")
+    assert_gates(ranged, oracle(x, C=32), ctx=f"{op} auto ranges")
+    launches.clear()
+    monkeypatch.setattr(pipeline, "VECTOR_RANGES_MAX_SEGMENTS", 1)
+    run_triton(x, auto, "A")
+    assert launches == [(0, 4)] and scan_ranges == [4]
+
+
 @pytest.mark.parametrize("policy,consumer", [("R", "joint"), ("A", "joint"), ("R", "separate")])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_scan_operands_pregated(op, policy, consumer, monkeypatch):
@@ -1044,18 +1090,23 @@ def test_gpu_side_stream(op, source, mode):
 
 @BF16_ON_INTERPRETER
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (1, 8192, 4)])
+@pytest.mark.parametrize("B,T,H,auto_ranges", [(1, 2048, 16, True), (1, 8192, 4, False)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_consumer_ranges(op, B, T, H):
+def test_gpu_consumer_ranges(op, B, T, H, auto_ranges):
     # policy A: the joint vector consumer's chunk ranges after the side stream's scan of each, on two streams: the
-    # same bits as one launch (a missing wait would race) and the gate; (1, 8192, 4): the scan splits, one launch
+    # same bits as one launch of the unsplit scan (a missing wait would race) and the gate. The default's auto (0)
+    # takes ranges in place of the scan's split into 4 at (1, 2048, 16) (the unsplit bits) and keeps the split into
+    # 8 at (1, 8192, 4) (one launch's bits)
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0)
-    s = _gpu_schedule(128, op)
-    one = run_triton(x, s.replace(consumer_ranges=1), "A")
+    s = _gpu_schedule(128, op, policy="A")
+    one = run_triton(x, s.replace(consumer_ranges=1, reverse_scan_segments=1), "A")
     for n_ranges in (2, 4, 8):
-        ranged = run_triton(x, s.replace(consumer_ranges=n_ranges), "A")
+        ranged = run_triton(x, s.replace(consumer_ranges=n_ranges, reverse_scan_segments=1), "A")
         assert_same_bits(ranged, one, ctx=f"{n_ranges} ranges")
     assert_gates(ranged, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} A consumer ranges")
+    auto = run_triton(x, s.replace(consumer_ranges=0), "A")
+    assert_same_bits(auto, one if auto_ranges else run_triton(x, s.replace(consumer_ranges=1), "A"), ctx="auto")
+    assert_gates(auto, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} A consumer ranges auto")
 
 
 @pytest.mark.gpu
