@@ -385,10 +385,13 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
     if mode != "reverse_scan":
-        segments = reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
-                                              num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
-        n_ranges = consumer_range_count(sc, triton.cdiv(q.shape[1], C), vector=G is not None and G.dim() == 4,
-                                        scan_segments=segments)
+        NT, vector = triton.cdiv(q.shape[1], C), G is not None and G.dim() == 4
+        n_ranges = consumer_range_count(sc, NT, vector=vector)  # as if the scan did not split
+        if n_ranges > 1:  # then whether its split rules them out
+            segments = reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
+                                                  num_segments=sc.reverse_scan_segments,
+                                                  split_max_programs=split_limit)
+            n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments)
         if n_ranges > 1:
             # unsplit: the ranges run in place of a split (vector auto, `consumer_range_count`)
             dS1, Rbar, dh0, launches = reverse_state_scan_ranges(scan_q, scan_k, W, G, do, dvl, dht,
