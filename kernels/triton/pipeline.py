@@ -307,7 +307,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # Schedule.scan_operands "pregated" (vector gates): K_t and Q_g formed once, here, and read by both scans. They
     # are dropped with W below, after the join: the side stream's reverse scan may read them until then.
     scan_q, scan_k, pregated, gate_range = q, k, False, None
-    if sc.scan_operands == "pregated" and G is not None and G.dim() == 4:
+    vector = G is not None and G.dim() == 4  # a per-channel gate (KDA, GDN2)
+    if sc.scan_operands == "pregated" and vector:
         if vector_local.RANGE_FROM_OPERANDS:  # and the consumer's range guard reads G's per-chunk max and min
             scan_q, scan_k, gate_range = gated_scan_operands(q, k, G, scale=scale, chunk_size=C, with_range=True)
         else:
@@ -366,7 +367,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                                        num_segments=sc.forward_scan_segments, split_max_programs=split_limit,
                                        pregated=pregated)
         else:  # policy A: the vector consumer takes S0 as it comes (it reads FLA's V-first h in place)
-            vector = G is not None and G.dim() == 4
             S0, R = (S0 if vector else S0.contiguous()), R.contiguous()
         del U
         if query_side is not None:  # reads S0, R, never the reverse scan's outputs: beside it on the main stream
@@ -385,7 +385,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
     if mode != "reverse_scan":
-        NT, vector = triton.cdiv(q.shape[1], C), G is not None and G.dim() == 4
+        NT = triton.cdiv(q.shape[1], C)
         n_ranges = consumer_range_count(sc, NT, vector=vector)  # as if the scan did not split
         if n_ranges > 1:  # then whether its split rules them out
             segments = reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
