@@ -20,7 +20,10 @@ Forward:
 - KDA / GDN2 with ``schedule.dv_local_source == "forward"`` also keep the forward's A_qk (fla-core's Aqk,
   out[3] of chunk_kda_fwd / chunk_gdn2_fwd, [B,T,H,C] in the input dtype; on CPU the reference forward's
   ``ChunkForward.Aqk`` in the same convention), which FLA's own backward keeps as well; dv_local then reads it
-  instead of recomputing A_qk. Otherwise it is dropped as before.
+  instead of recomputing A_qk. Otherwise it is dropped as before. Under policy A with ``schedule.scan_operands ==
+  "forward"`` they also keep qg = Q ⊙ exp(G) and kg = K ⊙ exp(G_n − G) (out[7], out[8], input dtype; on CPU the
+  reference's ``QG``, ``KG``), which fla-core's save-all keeps for its own backward: the reverse scan reads them,
+  and the backward runs no scan-operands stage.
 
 Backward: `rewy_backward_triton` with the given Schedule (default: `search_spaces.default_schedule` for the
 device's compute capability).
@@ -81,8 +84,8 @@ def _v_first(state):
 def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state,
                         gate=None):
     """KDA (erase is write, [B,T,H]) / GDN2 (b [B,T,H,K], w [B,T,H,V]) through fla-core's chunk_kda_fwd /
-    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk, W = w); policy A uses their
-    disable_recompute path, which keeps h, v_new and w (policy R: None for the three). Aqk (out[3]) is FLA's
+    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk, W = w, (qg, kg)); policy A uses their
+    disable_recompute path, which keeps h, v_new, w, qg and kg (policy R: None for the four). Aqk (out[3]) is FLA's
     A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention. gate (a GateActivation): g is the
     raw gate input, activated by FLA's fused gate-and-cumsum kernel (its use_gate_in_kernel).
     Under policy R the state scan runs V-first (V_FIRST_VECTOR), as FLA's layers run it: in the KDA model step it
@@ -104,9 +107,9 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
         out = chunk_gdn2_fwd(q=q, k=k, v=v, g=g, b=erase, w_gate=write, **common)
     o, final_state, Aqk, Akk, w, v_new, h = out[0], out[1], out[3], out[4], out[5], out[9], out[10]
     final_state = _v_first(final_state) if v_first else final_state
-    if policy == "A":
-        return o, final_state, Akk, h.transpose(-1, -2) if v_first else h, v_new, Aqk, w
-    return o, final_state, Akk, None, None, Aqk, None
+    if policy == "A":  # out[7], out[8]: qg = Q ⊙ exp(G), kg = K ⊙ exp(G_n − G), kept by the save-all path
+        return o, final_state, Akk, h.transpose(-1, -2) if v_first else h, v_new, Aqk, w, (out[7], out[8])
+    return o, final_state, Akk, None, None, Aqk, None, None
 
 
 def _fla_forward(q, k, v, g, beta, initial_state, scale, chunk_size, policy, output_final_state):
@@ -181,14 +184,16 @@ class RewyTritonFunction(torch.autograd.Function):
             if erase.dim() == 3 and erase.data_ptr() != write.data_ptr():
                 raise ValueError("on CUDA, KDA takes one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None
-            o, final_state, A, S0, R, Aqk, W = _fla_forward_vector(q, k, v, g, erase, write, h0, scale,
-                                                                   chunk_size, policy, output_final_state, gate)
+            o, final_state, A, S0, R, Aqk, W, scan_qk = _fla_forward_vector(q, k, v, g, erase, write, h0, scale,
+                                                                            chunk_size, policy, output_final_state,
+                                                                            gate)
         elif q.is_cuda:
             if erase.data_ptr() != write.data_ptr() or erase.shape != write.shape:
                 raise ValueError("on CUDA, DeltaNet/GDN take one β: pass the same tensor as erase and write")
             h0 = initial_state.float().contiguous() if initial_state is not None else None
             o, final_state, A, S0, R, W = _fla_forward(q, k, v, g, erase, h0, scale, chunk_size, policy,
                                                        output_final_state)
+            scan_qk = None
         else:
             from rewy_tune.kernels.reference.chunk_forward import chunk_forward
 
@@ -200,18 +205,21 @@ class RewyTritonFunction(torch.autograd.Function):
             A, S0, R, Aqk, W = (t.to(q.dtype) if t is not None else None
                                 for t in (fwd.A, fwd.S0, fwd.R, fwd.Aqk, fwd.W))
             o, final_state = fwd.o, fwd.final_state
+            scan_qk = (fwd.QG, fwd.KG) if policy == "A" else None
             if S0 is not None and vector_gate and V_FIRST_SAVED_STATES:  # the layout FLA's V-first h has on CUDA
                 S0 = S0.transpose(-1, -2).contiguous().transpose(-1, -2)
         Aqk = Aqk if keep_aqk else None  # saved only when the schedule's dv_local reads it
         W = W if schedule.w_source == "forward" else None  # policy A only (None under R)
-        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias)
+        # the forward's gated q and k: policy A with scan_operands "forward" (vector gates) only
+        qg, kg = scan_qk if vector_gate and schedule.scan_operands == "forward" and scan_qk is not None else (None,) * 2
+        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias, qg, kg)
         ctx.scale, ctx.schedule, ctx.gate_in_kernel, ctx.lower_bound = scale, schedule, gate is not None, lower_bound
         ctx.set_materialize_grads(False)
         return o, (final_state if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias = ctx.saved_tensors
+        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias, qg, kg = ctx.saved_tensors
         gate = GateActivation(A_log, dt_bias, ctx.lower_bound) if ctx.gate_in_kernel else None
         do = torch.zeros_like(v) if do is None else do.to(v.dtype)
         h0 = initial_state.float() if initial_state is not None else None
@@ -221,7 +229,8 @@ class RewyTritonFunction(torch.autograd.Function):
                     and erase.data_ptr() == write.data_ptr())
         dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
             q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
-            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate, gate_grads=gate_grads)
+            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate, gate_grads=gate_grads,
+            scan_qk=(qg, kg) if qg is not None else None)
         dA_log, ddt_bias = gate_grads.get("A_log"), gate_grads.get("dt_bias")
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)

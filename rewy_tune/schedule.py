@@ -58,7 +58,10 @@ scan, then one consumer launch). ``scan_operands`` is read by vector gates only 
 scans' [C, BV] tiles instead and accept any value): "inline" has each scan program form K_t = K ⊙ exp(G_n − G) and
 Q_g = s·Q ⊙ exp(G) in its serial chunk loop; "pregated" forms them once in a parallel stage before the scans
 (`kernels/triton/scan_operands.py`, two [B,T,H,K] tensors in the input dtype held until the reverse scan is done),
-which then read them and G's last rows only. The same bits. ``consumer_v_stages`` is read by the vector consumers only
+which then read them and G's last rows only. The same bits. "forward" (policy A; as "pregated" under R) reads the
+save-all forward's own gated copies instead, fla-core's qg = Q ⊙ exp(G) (no s: the reverse scan scales dO) and
+kg = K_t, which the autograd Function keeps; no scan-operands stage runs and the chunk cumsum writes the consumer's
+gate range. ``consumer_v_stages`` is read by the vector consumers only
 (joint and separate): the software-pipeline depth of their two loops over V tiles (phase 1, and the inter products
 P S0ᵀ, dO S0ᵀ, R dS1ᵀ), whose loads feed tensor-core products; the rest of the kernel keeps
 ``consumer_cfg.num_stages``. 0 follows ``consumer_cfg.num_stages`` (what the loops did before the field). The same
@@ -87,7 +90,7 @@ STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
 INTRA_PRECISIONS = ("ieee", "tf32x3")
 DV_LOCAL_SOURCES = ("recompute", "forward")
-SCAN_OPERANDS = ("inline", "pregated")
+SCAN_OPERANDS = ("inline", "pregated", "forward")
 CHUNK_SIZES = (16, 32, 64)
 SPLIT_WAVES = (0, 1, 2, 4)  # scan_split_waves: 0 = no occupancy limit on the sequence split
 STAGES = ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg", "cumsum")
@@ -168,6 +171,7 @@ class Schedule:
     dq_stage: str = "consumer"  # joint_tma: dq formed in the consumer, or in its own stage beside the reverse scan
     consumer_ranges: int = 1  # joint_tma, vector joint: consumer launches, each on chunks the scan has finished
     scan_operands: str = "inline"  # vector gates: the scans gate K and Q in their loop, or read them "pregated"
+    # (formed once), or (policy A) the "forward"'s saved qg, kg
     consumer_v_stages: int = 0  # vector consumers: pipeline depth of their V loops (0: consumer_cfg.num_stages)
 
     def __post_init__(self) -> None:

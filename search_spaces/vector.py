@@ -65,9 +65,10 @@ INTRA_PRECISION_CHOICES = ["ieee", "tf32x3"]
 # Source of dv_local's A_qk: recomputed from q, k, G ("recompute", the GPU-verified default) or the forward's saved
 # Aqk ("forward": one [C, C] x [C, BV] product per V tile; FLA keeps the same buffer). The gates decide per trial.
 DV_LOCAL_SOURCE_CHOICES = ["recompute", "forward"]
-# The scans' gated operands K_t, Q_g: formed in each scan program's chunk loop ("inline") or once before the scans
-# ("pregated", kernels/triton/scan_operands.py: two [B,T,H,K] tensors more, the same bits).
-SCAN_OPERAND_CHOICES = ["inline", "pregated"]
+# The scans' gated operands K_t, Q_g: formed in each scan program's chunk loop ("inline"), once before the scans
+# ("pregated", kernels/triton/scan_operands.py: two [B,T,H,K] tensors more, the same bits), or read from the save-all
+# forward ("forward": fla-core's qg, kg; policy A, where no scan-operands stage runs; under R the same as "pregated").
+SCAN_OPERAND_CHOICES = ["inline", "pregated", "forward"]
 # Pipeline depth of the vector consumers' two V loops (Schedule.consumer_v_stages; 0, "as consumer_cfg.num_stages",
 # duplicates one of these and is not searched).
 CONSUMER_V_STAGE_CHOICES = [1, 2, 3]
@@ -132,7 +133,7 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     # operands; the forward scan's fitted 3/2·C·BV·e covers U and R).
     KB = min(STATE_BLOCK_ROWS, Kp)
     fs, rs = schedule.forward_scan, schedule.reverse_scan
-    if schedule.scan_operands == "pregated":
+    if schedule.scan_operands in ("pregated", "forward"):
         # No [C, K] gate tile: per stage the forward scan's K_tᵀ and W, the reverse scan's K_t, Q_gᵀ and Wᵀ (input
         # dtype) and the [C, BV] tiles; from two stages on, one more staging of the state operands. Fitted to the
         # session-24 sm_90 compiles (bf16, K = 64..256, BV 16..128, 4 and 8 warps: exact at K = 128 and 256, 16 KB

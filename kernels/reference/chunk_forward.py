@@ -35,6 +35,10 @@ class ChunkForward:
     # Aqk[t, c] = s Σ_f q_if k_jf exp(G_if − G_jf) for j ≤ i (diagonal included), G the natural-log chunk cumsum.
     # Entries with j > i are 0 here; FLA leaves them unwritten (torch.empty), so readers must mask them.
     Aqk: torch.Tensor | None = None
+    # policy A: Q ⊙ γ (no scale) and K ⊙ τ [B,T,H,K] in k's dtype: fla-core's qg and kg, which the save-all forward of
+    # its KDA / GDN2 keeps (Schedule.scan_operands "forward" reads them)
+    QG: torch.Tensor | None = None
+    KG: torch.Tensor | None = None
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -111,7 +115,8 @@ def invert_unit_lower(L: torch.Tensor) -> torch.Tensor:
 def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, chunk_size=64,
                   save_states=False) -> ChunkForward:
     """Chunkwise forward. Shapes as in :func:`rewy_tune.kernels.reference.recurrence.recurrent_delta`.
-    ``save_states=True`` (policy A) also keeps the per-chunk entering states S0, the corrections R and W."""
+    ``save_states=True`` (policy A) also keeps the per-chunk entering states S0, the corrections R, W and the gated
+    Q ⊙ γ, K ⊙ τ (QG, KG)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -126,7 +131,7 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
     O = Q.new_empty(B, H, T, V)
     A_all = Q.new_zeros(B, H, T, C)
     Aqk_all = Q.new_zeros(B, H, T, C)
-    S0_all, R_all, W_all = [], [], []
+    S0_all, R_all, W_all, QG_all, KG_all = [], [], [], [], []
     for sl in chunk_slices(T, C):
         n = sl.stop - sl.start
         Qc, Kc, Vc, ec, wc, Gc = Q[:, :, sl], Kh[:, :, sl], Vh[:, :, sl], e[:, :, sl], w[:, :, sl], G[:, :, sl]
@@ -144,6 +149,8 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
         S0_all.append(S)
         R_all.append(R)
         W_all.append(W)
+        QG_all.append((Qc * gamma).expand_as(Qc))
+        KG_all.append((Kc * tau).expand_as(Kc))
         S = gamma_n.transpose(-1, -2) * S + (Kc * tau).transpose(-1, -2) @ R
 
     return ChunkForward(
@@ -155,4 +162,6 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
         R=torch.cat(R_all, dim=2).transpose(1, 2) if save_states else None,
         W=torch.cat(W_all, dim=2).transpose(1, 2).to(k.dtype) if save_states else None,
         Aqk=Aqk_all.transpose(1, 2).to(k.dtype),
+        QG=torch.cat(QG_all, dim=2).transpose(1, 2).to(k.dtype) if save_states else None,
+        KG=torch.cat(KG_all, dim=2).transpose(1, 2).to(k.dtype) if save_states else None,
     )

@@ -22,7 +22,9 @@ run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute 
 consumer_ranges > 1 (joint_tma; where the reverse scan runs last and alone) → the reverse scan in chunk ranges on
 the side stream (`scan.reverse_state_scan_ranges`), each range's consumer on the main stream after its scan range
 (`_scan_beside_consumer`). scan_operands "pregated" (vector gates) → `scan_operands.gated_scan_operands` forms K_t and
-Q_g once, before the scans, which then read them (``pregated=True``).
+Q_g once, before the scans, which then read them (``pregated=True``); "forward" (policy A) → the autograd Function
+passes fla-core's saved qg and kg (``scan_qk``), the reverse scan reads them (``q_scaled=False``), and the chunk
+cumsum writes the consumer's gate range: no scan-operands stage runs.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedu
 
 
 def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
-                         S0=None, R=None, G=None, Aqk=None, one_beta=False, W=None, gate=None, gate_grads=None):
+                         S0=None, R=None, G=None, Aqk=None, one_beta=False, W=None, gate=None, gate_grads=None,
+                         scan_qk=None):
     """ReWY backward of DeltaNet (g None) / GDN (g [B,T,H]) on Triton.
 
     q, k [B,T,H,K]; v, do [B,T,H,V] (one dtype: fp16/bf16/fp32); g, erase, write [B,T,H]; A = M^{-1}
@@ -129,6 +132,9 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
     "forward"). Scalar gates never read Aqk. gate (vector gates only, a `gate.GateActivation`): g is the raw gate
     input of KDA/GDN2's in-kernel gate, activated inside the chunk cumsum; dg is then the raw input's gradient (in
     g's dtype), and gate_grads (a dict) receives the gradients of the gate's parameters, "A_log" and "dt_bias".
+    scan_qk (vector gates only): the forward's (qg, kg) = (Q ⊙ exp(G), K ⊙ exp(G_n − G)), [B,T,H,K] in k's dtype
+    (fla-core's save-all keeps them; Schedule.scan_operands "forward"): the reverse scan reads them and no
+    scan-operands stage runs. With it pass g, not G.
     """
     if isinstance(g, torch.Tensor) and g.dim() == 4 and g.shape == q.shape:
         from .vector_local import rewy_backward_triton_vector
@@ -138,9 +144,12 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
                              "'separate'")
         return rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, scale=scale,
                                            initial_state=initial_state, schedule=schedule, S0=S0, R=R, G=G,
-                                           Aqk=Aqk, W=W, gate=gate, one_beta=one_beta, gate_grads=gate_grads)
+                                           Aqk=Aqk, W=W, gate=gate, one_beta=one_beta, gate_grads=gate_grads,
+                                           scan_qk=scan_qk)
     if gate is not None:
         raise ValueError("gate: the in-kernel gate activation is fused for vector gates (KDA, GDN2) only")
+    if scan_qk is not None:
+        raise ValueError("scan_qk: the forward's gated q and k are per key channel, for vector gates g [B,T,H,K]")
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
                       schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=run_dv_local,
@@ -270,8 +279,26 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _check_scan_qk(scan_qk, k, G, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qg, kg) as given for ``run_stages(scan_qk=...)``: a pair of [B,T,H,K] tensors in k's dtype on its device, for a
+    vector gate g whose G the cumsum forms here (it also writes the gate range the consumer's guard reads)."""
+    if not isinstance(scan_qk, (tuple, list)) or len(scan_qk) != 2:
+        raise TypeError(f"scan_qk must be a pair (qg, kg), got {type(scan_qk).__name__}")
+    if g is None or g.dim() != 4:
+        raise ValueError("scan_qk: the forward's gated q and k are per key channel, for vector gates g [B,T,H,K]")
+    if G is not None:
+        raise ValueError("scan_qk: pass the gate g and no G (the chunk cumsum forms G and the gate range together)")
+    for name, t in zip(("qg", "kg"), scan_qk):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(k.shape) or t.dtype != k.dtype \
+                or t.device != k.device:
+            raise ValueError(f"scan_qk's {name} must be [B,T,H,K]={tuple(k.shape)} in k's dtype {k.dtype} on "
+                             f"{k.device}, got " + (f"{tuple(t.shape)} in {t.dtype} on {t.device}"
+                                                    if isinstance(t, torch.Tensor) else type(t).__name__))
+    return scan_qk[0].contiguous(), scan_qk[1].contiguous()
+
+
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
-               dv_local, consumer, W=None, query_side=None, gate=None):
+               dv_local, consumer, W=None, query_side=None, gate=None, scan_qk=None):
     """The stage order shared by every operator; the gate type only picks the two local stages.
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None)` and
@@ -281,6 +308,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     (Schedule.dq_stage "separate": `query_side.py`): run on the main stream once S0 and R exist, beside the side
     stream's reverse scan; the consumer then takes dq=, gbq=. Inputs are checked by the caller, but for W (policy A's
     forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
+    scan_qk (vector gates, Schedule.scan_operands "forward"): (qg, kg), fla-core's saved Q ⊙ exp(G) and
+    K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t.
     """
     if W is not None:
         if S0 is None:
@@ -298,17 +327,27 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
 
     if gate is not None and G is not None:
         raise ValueError("gate: pass the raw gate input g and no G (the cumsum applies the activation)")
+    if scan_qk is not None:
+        scan_qk = _check_scan_qk(scan_qk, k, G, g)
+    gate_range = None
     if g is None:
         G = None
     elif G is None:
-        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps, gate=gate)
+        # with the forward's qg, kg no scan-operands stage runs: the cumsum writes the consumer's gate range
+        want_range = scan_qk is not None and vector_local.RANGE_FROM_OPERANDS
+        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps, gate=gate,
+                         with_range=want_range)
+        if want_range:
+            G, gate_range = G
     else:
         G = G.to(torch.float32).contiguous()
     # Schedule.scan_operands "pregated" (vector gates): K_t and Q_g formed once, here, and read by both scans. They
     # are dropped with W below, after the join: the side stream's reverse scan may read them until then.
-    scan_q, scan_k, pregated, gate_range = q, k, False, None
+    scan_q, scan_k, pregated, q_scaled = q, k, False, True
     vector = G is not None and G.dim() == 4  # a per-channel gate (KDA, GDN2)
-    if sc.scan_operands == "pregated" and vector:
+    if scan_qk is not None:  # fla-core's qg carries no s: the reverse scan scales dO instead
+        (scan_q, scan_k), pregated, q_scaled = scan_qk, True, False
+    elif sc.scan_operands in ("pregated", "forward") and vector:  # ("forward" without the forward's: as pregated)
         if vector_local.RANGE_FROM_OPERANDS:  # and the consumer's range guard reads G's per-chunk max and min
             scan_q, scan_k, gate_range = gated_scan_operands(q, k, G, scale=scale, chunk_size=C, with_range=True)
         else:
@@ -335,7 +374,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
 
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
-                     num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated)
+                     num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated,
+                     q_scaled=q_scaled)
 
     def run_reverse_scan(dvl):
         return reverse_state_scan(scan_q, scan_k, W, G, do, dvl, dht, **scan_args)
@@ -401,7 +441,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range
         else:
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
-    del dvl, W, scan_q, scan_k  # (chunk ranges: the scan's launches hold them until the last range has run)
+    del dvl, W, scan_q, scan_k, scan_qk  # (chunk ranges: the scan's launches hold them until the last range has run)
 
     P = D = None
     if sc.consumer == "separate":

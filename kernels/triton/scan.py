@@ -57,7 +57,9 @@ registers (Triton 3.6 on Hopper miscompiles tl.trans of wgmma-layout values; FLA
 Vector gates (GATE 2) form K_t = K ⊙ exp(G_n − G) and Q_g = s·Q ⊙ exp(G) per element in the chunk loop, casting
 them to the input dtype for the products. With ``pregated=True`` (GATE 3, Schedule.scan_operands "pregated") the
 launchers take K_t for k and Q_g for q as `scan_operands.gated_scan_operands` formed them, with the same expressions,
-and the loop loads G's last row only (Γ_n): the same bits, fewer loads and registers in the serial loop.
+and the loop loads G's last row only (Γ_n): the same bits, fewer loads and registers in the serial loop. GATE 4
+(the reverse scan with ``q_scaled=False``, Schedule.scan_operands "forward"): q is fla-core's saved qg = Q ⊙ exp(G)
+without s, and the scan scales dO by s before its Q_gᵀ dO product, as it does without a gate (GATE 0).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_siz
 
 # The kernels' GATE code for a vector gate whose scan operands K_t and Q_g were formed beforehand (scan_operands.py)
 GATE_VECTOR_PREGATED = 3
+# ... and whose Q_g comes without the scale s (fla-core's qg = Q ⊙ exp(G), kept by its save-all forward)
+GATE_VECTOR_PREGATED_UNSCALED_Q = 4
 
 
 @triton.jit
@@ -140,7 +144,7 @@ def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, i_kb: tl.con
         # rows past T: mask the decay itself, exp(G_n − 0) may overflow and 0·inf is NaN.
         b_ktt = (b_ktt.to(tl.float32) * tl.where(m_kr, tl.exp(b_gl[:, None] - b_g), 0.0)).to(k.dtype.element_ty)
         b_s = b_s * tl.exp(b_gl)[:, None]
-    elif GATE == 3:
+    elif GATE >= 3:
         b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_s = b_s * tl.exp(b_gl)[:, None]
     return _mma(b_ktt, b_rd, b_s, PREC)
@@ -167,7 +171,8 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
                       K: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
     # dS[block] ← Γ_n dS[block] + Q_g[:, block]ᵀ dO − W[:, block]ᵀ R̄, Q_gᵀ and Wᵀ loaded transposed.
     # b_dod: dO (scalar gate / no gate: rows already scaled by s·exp(G)); b_nrb = −R̄ (input dtype).
-    # GATE 3 (vector, pregated): q is Q_g = s·Q ⊙ exp(G) already (`scan_operands.py`), only Γ_n is left.
+    # GATE 3 (vector, pregated): q is Q_g = s·Q ⊙ exp(G) already (`scan_operands.py`), only Γ_n is left; GATE 4: q is
+    # Q ⊙ exp(G) (fla-core's qg) and b_dod carries s.
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     m_kr = m_k[:, None] & m_row[None, :]
@@ -180,7 +185,7 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
         b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_qt = (b_qt.to(tl.float32) * (tl.exp(b_g) * scale)).to(q.dtype.element_ty)
         b_ds = b_ds * tl.exp(b_gl)[:, None]
-    elif GATE == 3:
+    elif GATE >= 3:
         b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_ds = b_ds * tl.exp(b_gl)[:, None]
     b_ds = _mma(b_qt, b_dod, b_ds, PREC)
@@ -350,7 +355,7 @@ def rewy_bwd_scan_kernel(
             b_rb = b_rb * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
             b_dod = (b_do.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(dt)
             b_egl = tl.exp(b_gl)
-        elif GATE >= 2:
+        elif GATE == 2 or GATE == 3:
             b_dod = b_do.to(dt)  # the vector gate (and s) scale Q_gᵀ per element
         else:
             b_dod = (b_do.to(tl.float32) * scale).to(dt)
@@ -610,16 +615,20 @@ def split_program_limit(waves: int, device: torch.device) -> int:
     return waves * device_sms(device)
 
 
-def _gate_code(gk: int, pregated: bool) -> int:
-    """The kernels' GATE constexpr: gate_kind's, or 3 for a vector gate whose K_t and Q_g come pregated."""
-    if not isinstance(pregated, bool):
-        raise TypeError(f"pregated must be a bool, got {type(pregated).__name__}")
+def _gate_code(gk: int, pregated: bool, q_scaled: bool = True) -> int:
+    """The kernels' GATE constexpr: gate_kind's, or 3 for a vector gate whose K_t and Q_g come pregated (4: Q_g
+    without the scale s, q_scaled False)."""
+    for name, val in (("pregated", pregated), ("q_scaled", q_scaled)):
+        if not isinstance(val, bool):
+            raise TypeError(f"{name} must be a bool, got {type(val).__name__}")
     if not pregated:
+        if not q_scaled:
+            raise ValueError("q_scaled=False describes a pregated Q_g: pass pregated=True with it")
         return gk
     if gk != GATE_VECTOR:
         raise ValueError("pregated=True needs a vector gate G [B,T,H,K] (K_t and Q_g are per key channel), got "
                          + ("no G" if gk == 0 else "a scalar gate G [B,T,H]"))
-    return GATE_VECTOR_PREGATED
+    return GATE_VECTOR_PREGATED if q_scaled else GATE_VECTOR_PREGATED_UNSCALED_Q
 
 
 def _split_overhead(gk: int) -> int | None:
@@ -750,6 +759,7 @@ def reverse_state_scan_ranges(
     split_max_programs: int = 0,
     num_ranges: int = 1,
     pregated: bool = False,
+    q_scaled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -767,6 +777,7 @@ def reverse_state_scan_ranges(
 
     pregated (vector G only): q is Q_g = s·Q ⊙ exp(G) and k is K_t = K ⊙ exp(G_n − G), both from
     `scan_operands.gated_scan_operands`; the scan reads G's last rows alone. The same bits as q, k and G.
+    q_scaled False (with pregated): q is Q ⊙ exp(G) without s (fla-core's saved qg), and dO is scaled by s instead.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -781,7 +792,7 @@ def reverse_state_scan_ranges(
     if dht is not None and tuple(dht.shape) != (B, H, K, V):
         raise ValueError(f"dht must have shape {(B, H, K, V)}, got {tuple(dht.shape)}")
     gk = gate_kind(G, k)
-    code = _gate_code(gk, pregated)
+    code = _gate_code(gk, pregated, q_scaled)
     q, k, W, do = q.contiguous(), k.contiguous(), W.contiguous(), do.contiguous()
     G = G.contiguous() if G is not None else None
     dvl = dv_local.contiguous() if dv_local is not None else None

@@ -692,7 +692,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
 # --------------------------------------------------------------------------------------------------
 def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule,
                                 S0=None, R=None, G=None, Aqk=None, intra_paths: dict | None = None, W=None,
-                                gate=None, one_beta=False, gate_grads: dict | None = None):
+                                gate=None, one_beta=False, gate_grads: dict | None = None, scan_qk=None):
     """ReWY backward of KDA (erase = write = β [B,T,H]) / GDN2 (erase b [B,T,H,K], write w [B,T,H,V]) on Triton.
 
     Same contract as ``pipeline.rewy_backward_triton``: q, k [B,T,H,K]; v, do [B,T,H,V] (fp16/bf16/fp32);
@@ -704,7 +704,7 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
     dtype, and ``gate_grads`` (a dict, required with gate) receives "A_log" and "dt_bias" (see
     ``pipeline.rewy_backward_triton``). one_beta (KDA's one β as erase and write): d_erase is dβ and d_write None.
     ``intra_paths``: optional dict; receives ``"flags"``, the consumer's int32 per-tile path flags (1 centred,
-    2 sub-chunk), with no host synchronisation.
+    2 sub-chunk), with no host synchronisation. scan_qk: the forward's (qg, kg), see ``pipeline.rewy_backward_triton``.
 
     Returns (dq, dk, dv, dg, d_erase, d_write, dh0): dq, dk, dv in q's dtype; dg in g's dtype; d_erase, d_write
     in erase's / write's shapes and dtypes (KDA: dβ = d_erase + d_write); dh0 fp32 or None.
@@ -760,7 +760,7 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
 
     dq, dk, dv, dg, d_erase, d_write, dh0 = run_stages(
         q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state, schedule=schedule, S0=S0,
-        R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate)
+        R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate, scan_qk=scan_qk)
     if gate is not None:  # dg is the activated gate's (fp32): through the activation to g, A_log and dt_bias
         dg, gate_grads["A_log"], gate_grads["dt_bias"] = gate_backward(g, gate, dg)
     return dq, dk, dv, dg, d_erase, d_write, dh0

@@ -104,13 +104,17 @@ def oracle(x, C=64, device="cpu"):
 
 def run_triton(x, schedule, policy="R", paths=None, s0_v_first=False):
     """Forward through the torch reference in fp32 (as the CPU autograd Function does), then the Triton backward.
-    s0_v_first (policy A): S0 passed as FLA's state_v_first h gives it, a transposed view of [V, K] storage."""
+    s0_v_first (policy A): S0 passed as FLA's state_v_first h gives it, a transposed view of [V, K] storage.
+    scan_operands "forward" (policy A): the reference forward's QG, KG in the input dtype as scan_qk, and no G."""
     scale = x["q"].shape[-1] ** -0.5
     f = {n: (t.float() if t is not None else None) for n, t in x.items()}
     fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
                         chunk_size=schedule.chunk_size, save_states=policy == "A")
     S0 = fwd.S0.transpose(-1, -2).contiguous().transpose(-1, -2) if s0_v_first else fwd.S0
     kw = dict(S0=S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
+    if policy == "A" and schedule.scan_operands == "forward":  # the forward's qg, kg, as the autograd Function passes
+        del kw["G"]  # (the cumsum then forms G and the consumer's gate range)
+        kw["scan_qk"] = (fwd.QG.to(x["q"].dtype), fwd.KG.to(x["q"].dtype))
     if policy == "A" and schedule.w_source == "forward":  # as the autograd Function passes it
         kw["W"] = fwd.W.to(x["q"].dtype)
     if schedule.dv_local_source == "forward":
@@ -556,6 +560,130 @@ def test_gated_scan_operands_bad_inputs():
     with pytest.raises(TypeError, match="pregated must be a bool"):
         scan.reverse_state_scan(q, k, k, torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16), None, None,
                                 scale=1.0, BK=16, BV=16, pregated="yes")
+
+
+def test_cumsum_gate_range():
+    # chunk_cumsum(with_range=True): the same G, and per chunk and channel its max and min over the valid rows, with
+    # the bits and layout of the scan-operands kernel's range (which the consumer's guard read before), tail included
+    from rewy_tune.kernels.triton.cumsum import chunk_cumsum
+    from rewy_tune.kernels.triton.scan_operands import gated_scan_operands
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, K, C = 2, 50, 3, 48, 16
+    g = -2.0 * torch.rand(B, T, H, K, generator=gen) + 0.5  # some positive entries: G is not monotone in a chunk
+    G0 = chunk_cumsum(g, chunk_size=C, BK=32)
+    G, grange = chunk_cumsum(g, chunk_size=C, BK=32, with_range=True)
+    assert torch.equal(G, G0)
+    q = torch.randn(B, T, H, K, generator=gen)
+    _, _, want = gated_scan_operands(q, q, G, scale=1.0, chunk_size=C, BK=16, with_range=True)
+    assert grange.shape == want.shape == (B, -(-T // C), H, 2, K) and torch.equal(grange, want)
+    with pytest.raises(ValueError, match="with_range: the gate range is per key channel"):
+        chunk_cumsum(torch.zeros(1, 8, 2), with_range=True)
+    with pytest.raises(TypeError, match="with_range must be a bool"):
+        chunk_cumsum(g, with_range=1)
+
+
+def _run_scan_qk(x, schedule, scan_qk=True):
+    """Policy A through the Triton backward with the reference forward's gated q and k (fla-core's qg, kg
+    convention) as scan_qk, g passed and no G, as the autograd Function calls it."""
+    scale = x["q"].shape[-1] ** -0.5
+    f = {n: (t.float() if t is not None else None) for n, t in x.items()}
+    fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
+                        chunk_size=schedule.chunk_size, save_states=True)
+    kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype))
+    if scan_qk:
+        kw["scan_qk"] = (fwd.QG, fwd.KG)
+    out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"],
+                                      x["dht"], scale=scale, initial_state=x["h0"], schedule=schedule, **kw)
+    return dict(zip(NAMES, out))
+
+
+@pytest.mark.parametrize("consumer,decay,coef,ranges", [("joint", "mixed", "uniform", 1), ("joint", "normal", "zero", 2),
+                                                        ("separate", "strong", "uniform", 1)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_scan_operands_forward(op, consumer, decay, coef, ranges, monkeypatch):
+    # Schedule.scan_operands "forward" (policy A): the reverse scan reads the forward's qg = Q ⊙ exp(G) (no s: GATE 4
+    # scales dO) and kg = K_t, no scan-operands stage runs, and the chunk cumsum writes the consumer's gate range.
+    # A tail (100 rows, chunk 32), an initial state, strong or mixed decay, zero coefficients, the scan split in 2 or
+    # run in consumer ranges; the fp64 oracle's gates, and the same gate range bits as the pregated path's.
+    from rewy_tune.kernels.triton import pipeline, scan, vector_local
+
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=29, decay=decay, coef=coef)
+    sched = BASE.replace(chunk_size=32, consumer=consumer, scan_operands="forward", w_source="recompute",
+                         reverse_scan_segments=2 if ranges == 1 else 1, consumer_ranges=ranges)
+    codes, made, ranges_seen = [], [], []
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel", lambda args, kw, grid: codes.append(kw["GATE"]))
+    monkeypatch.setattr(pipeline, "gated_scan_operands", lambda *a, **kw: made.append(1))
+    real_consumer = vector_local.consumer_vector
+    monkeypatch.setattr(vector_local, "consumer_vector", lambda *a, **kw: ranges_seen.append(kw.get("gate_range"))
+                        or real_consumer(*a, **kw))
+    got = _run_scan_qk(x, sched)
+    assert made == [] and codes and set(codes) == {scan.GATE_VECTOR_PREGATED_UNSCALED_Q}
+    assert len(ranges_seen) == 1 and ranges_seen[0] is not None  # the cumsum's range reached the guard
+    assert_gates(got, oracle(x, C=32), ctx=f"{op} {consumer} {decay} {coef} forward scan operands")
+    # the pregated path on the same inputs: its scan-operands kernel's range has the same bits as the cumsum's
+    from rewy_tune.kernels.triton.scan_operands import gated_scan_operands
+
+    monkeypatch.setattr(pipeline, "gated_scan_operands", gated_scan_operands)
+    _run_scan_qk(x, sched.replace(scan_operands="pregated"), scan_qk=False)
+    assert len(ranges_seen) == 2 and torch.equal(ranges_seen[0], ranges_seen[1])
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_public_op_scan_operands_forward(op, monkeypatch):
+    # Through the autograd Function (CPU: the reference forward's QG, KG): under A "forward" keeps two [B,T,H,K]
+    # tensors more and the backward runs no scan-operands stage; under R the field reads as "pregated" (same bits).
+    from rewy_tune.kernels.triton import pipeline
+
+    x = make_inputs(op, 1, 100, 1, 32, 32, seed=93)
+    made = []
+    real = pipeline.gated_scan_operands
+    monkeypatch.setattr(pipeline, "gated_scan_operands", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    k_shape = tuple(x["k"].shape)
+    pregated = BASE.replace(scan_operands="pregated")
+    for policy in ("A", "R"):
+        ref, _ = _public_op_grads(op, x, torch.float64, "torch", policy)
+        made.clear()
+        got, saved = _public_op_grads(op, x, torch.float32, "triton", policy, pregated.replace(scan_operands="forward"))
+        assert made == ([] if policy == "A" else [1]), policy
+        base, saved_base = _public_op_grads(op, x, torch.float32, "triton", policy, pregated)
+        assert saved.count(k_shape) == saved_base.count(k_shape) + (2 if policy == "A" else 0), policy
+        _assert_public_op_gates(got, ref, ctx=(policy,))
+        if policy == "R":
+            for n in got:
+                assert torch.equal(got[n], base[n]), n
+
+
+def test_scan_qk_bad_inputs():
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
+
+    x = make_inputs("kda", 1, 64, 1, 32, 32, seed=3)
+    f = {n: (t.float() if t is not None else None) for n, t in x.items()}
+    fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=0.2, chunk_size=32,
+                        save_states=True)
+    sched = BASE.replace(chunk_size=32, scan_operands="forward")
+
+    def call(g=x["g"], **kw):
+        return rewy_backward_triton(x["q"], x["k"], x["v"], g, x["erase"], x["write"], fwd.A, x["do"], None,
+                                    scale=0.2, initial_state=None, schedule=sched, S0=fwd.S0, R=fwd.R, **kw)
+
+    with pytest.raises(ValueError, match="pass the gate g and no G"):
+        call(G=fwd.G, scan_qk=(fwd.QG, fwd.KG))
+    with pytest.raises(ValueError, match=r"scan_qk's kg must be \[B,T,H,K\]"):
+        call(scan_qk=(fwd.QG, fwd.KG[..., :16]))
+    with pytest.raises(ValueError, match=r"scan_qk's qg must be .* in k's dtype"):
+        call(scan_qk=(fwd.QG.double(), fwd.KG))
+    with pytest.raises(TypeError, match=r"scan_qk must be a pair \(qg, kg\)"):
+        call(scan_qk=fwd.QG)
+    with pytest.raises(ValueError, match="scan_qk: the forward's gated q and k are per key channel"):
+        call(g=x["g"][..., 0], scan_qk=(fwd.QG, fwd.KG))
+    k = x["k"]
+    with pytest.raises(ValueError, match="q_scaled=False describes a pregated Q_g"):
+        scan.reverse_state_scan(k, k, k, fwd.G, x["do"], None, None, scale=1.0, BK=32, BV=32, q_scaled=False)
+    with pytest.raises(TypeError, match="q_scaled must be a bool"):
+        scan.reverse_state_scan(k, k, k, fwd.G, x["do"], None, None, scale=1.0, BK=32, BV=32, pregated=True,
+                                q_scaled=0)
 
 
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
@@ -1047,6 +1175,47 @@ def test_gpu_bench_shapes(op, B, T, H, policy):
     for states in ("input", "fp32"):  # bf16 per-chunk states and fp32 ones (the H200 default)
         out = run_triton(x, _gpu_schedule(128, op, policy=policy).replace(state_dtype=states), policy)
         assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H} {policy} {states} states")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 1000, 4), (1, 2048, 16), (1, 8192, 4)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_scan_operands_forward_fla(op, B, T, H):
+    # scan_operands "forward" through fla-core's own forward (policy A, bf16, its V-first h): first FLA's qg, kg
+    # (out[7], out[8]) against the reference forward's QG, KG (the convention: no scale in qg, kg decayed to the
+    # chunk's last valid row), then the whole autograd Function's gradients against the float64 oracle
+    from rewy_tune.kernels.triton_function import RewyTritonFunction, _fla_forward_vector
+
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7, gate_div=16.0)
+    scale = 128 ** -0.5
+    write = x["erase"] if op == "kda" else x["write"]  # FLA's KDA has one β
+    qg, kg = _fla_forward_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], write, x["h0"], scale, 64, "A",
+                                 True)[7]
+    d = {n: (t.double() if t is not None else None) for n, t in x.items()}
+    ref = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], scale=scale, save_states=True)
+    for got, want in ((qg, ref.QG), (kg, ref.KG)):
+        assert got.dtype == torch.bfloat16 and rel_rms(got.double(), want.double()) <= ORDINARY
+
+    names = ("q", "k", "v", "g", "erase", "h0") + (("write",) if op == "gdn2" else ())
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
+    sched = _gpu_schedule(128, op, policy="A").replace(scan_operands="forward")
+    o, ht = RewyTritonFunction.apply(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["erase"],
+                                     leaves["erase"] if op == "kda" else leaves["write"], leaves["h0"], scale, 64,
+                                     "A", True, sched)
+    ((o.float() * x["do"].float()).sum() + (ht.float() * x["dht"]).sum()).backward()
+    want = oracle(x, device="cuda")
+    got = {"dq": leaves["q"].grad, "dk": leaves["k"].grad, "dv": leaves["v"].grad, "dg": leaves["g"].grad,
+           "dh0": leaves["h0"].grad}
+    if op == "kda":
+        got["d_erase"] = leaves["erase"].grad
+        want = {**want, "d_erase": want["d_erase"] + want["d_write"]}
+    else:
+        got["d_erase"], got["d_write"] = leaves["erase"].grad, leaves["write"].grad
+    for n, t in got.items():
+        assert torch.isfinite(t).all(), n
+        tol = GATE if n in ("dg", "d_erase", "d_write") else ORDINARY
+        assert rel_rms(t.double(), want[n].double()) <= tol, (op, B, T, H, n, rel_rms(t.double(), want[n].double()))
 
 
 @BF16_ON_INTERPRETER
