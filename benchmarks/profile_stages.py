@@ -165,6 +165,12 @@ def variants_for(op: str, base):
         # with the V loops at 2 stages and the flags the 4-warp 32 x 64 consumer compiles to 168 B of stack (sm_90, KDA
         # A; 344 without): two CTAs per SM. Session 26 (A): slower, KDA (1, 2048, 16) 0.3757 -> 0.4148 ms
         out["cons-w4-32x64"] = base.replace(consumer_cfg={"num_warps": 4, "block_k": 32})
+        # session 28 (policy A): the scans read the save-all forward's qg, kg (scan_operands "forward": no scan-operands
+        # stage, the gate range from the cumsum); dv_local from FLA's Aqk at wider V tiles (the default's 16 x 8 warps
+        # was tuned for the recomputed A_qk)
+        out["qk-forward"] = base.replace(scan_operands="forward")
+        out["dvl-aqk-64"] = base.replace(dv_local={"block_v": 64, "num_warps": 4})
+        out["qk-forward-dvl-aqk-64"] = out["qk-forward"].replace(dv_local={"block_v": 64, "num_warps": 4})
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:
