@@ -377,7 +377,15 @@ VECTOR_H200 = {
 # consumer_ranges auto (pipeline.consumer_range_count): where the scan would split in at most 4 segments (B·H >= 16),
 # it runs unsplit and the consumer of the chunks it has finished runs beside it, in ranges of at least 8 chunks
 # (session 27 sweep, KDA A: (1, 2048, 16) -3.9 %, (2, 2048, 16) -3.8 %, (1, 8192, 16) -8.4 %).
-VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 3), "consumer_ranges": 0}
+# scan_operands "forward": the reverse scan reads fla-core's saved qg, kg (the save-all forward keeps them), so no
+# scan-operands stage runs (15.6 us at (1, 2048, 16)); dv_local at block_v 64, 4 warps (the forward's A_qk: one
+# [C, C] x [C, BV] product per V tile; 11.9 -> 7.1 us). Sweeps against the pregated default, both changes together:
+# session 28, KDA A (1, 2048, 16) 0.3665 -> 0.3473 ms, (1, 8192, 4) 0.3958 -> 0.3797, (1, 512, 4) 0.0645 -> 0.0621;
+# session 29, GDN2 A 0.3778 -> 0.3592, 0.4057 -> 0.3892, 0.0634 -> 0.0632 (peak backward memory at (1, 2048, 16)
+# 147 -> 131 MiB: the two pregated tensors are gone). Gated on the H200 at the six bench shapes, both policies
+# (session 29, REWY_TEST_GPU_SET). Policy R keeps dv_local 32 x 16 at 8 warps (not swept with 64 x 4).
+VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 3), "consumer_ranges": 0, "scan_operands": "forward",
+                        "dv_local": StageConfig(32, 64, 4, 3)}
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,

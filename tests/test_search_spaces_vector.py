@@ -424,9 +424,9 @@ def test_the_h200_vector_defaults():
 
 def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
     # Policy A's reverse scan runs alone (no forward scan beside it): 64-wide state tiles (session 21 sweep), 3 stages
-    # and the consumer's chunk ranges beside it (session 27). R and
-    # None keep the 32-wide ones; every other field, and every other default, is the same under both policies: both
-    # read the scans' gated operands pregated (session 24 under A, session 25 under R).
+    # and the consumer's chunk ranges beside it (session 27); it reads the forward's qg, kg and runs dv_local 64 wide
+    # (session 29). R and None keep the 32-wide tiles and the pregated operands; every other field, and every other
+    # default, is the same under both policies.
     from rewy_tune import search
     from rewy_tune.search_spaces import default_schedule
 
@@ -436,8 +436,10 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         assert r == vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert (r.reverse_scan.block_v, a.reverse_scan.block_v) == (32, 64)
         # and at 3 stages, with the consumer in chunk ranges beside it where it would split in few segments (auto)
-        assert a == r.replace(reverse_scan={"block_v": 64, "num_stages": 3}, consumer_ranges=0)
-        assert r.scan_operands == a.scan_operands == "pregated"
+        # and, from session 29, the forward's qg, kg for the scans and dv_local 64 wide at 4 warps
+        assert a == r.replace(reverse_scan={"block_v": 64, "num_stages": 3}, consumer_ranges=0,
+                              scan_operands="forward", dv_local={"block_v": 64, "num_warps": 4})
+        assert (r.scan_operands, a.scan_operands) == ("pregated", "forward")
         assert vector.constraint(a, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
         params = search.schedule_params(a, op=op, K=128, V=128, interpreter=False)
         for policy in ("A", "R"):  # a replayed trial is its parameters, whatever the base
