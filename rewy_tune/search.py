@@ -111,13 +111,14 @@ def constraint_violation(schedule: Schedule, *, op: str, K: int, V: int,
     return None
 
 
-def declarative_space(op: str, K: int, V: int, interpreter: bool):
-    """(choices, conditions) from `search_spaces.space` / `CONDITIONS`, or None. On the interpreter the tile
+def declarative_space(op: str, K: int, V: int, interpreter: bool, policy: str | None = None):
+    """(choices, conditions) from `search_spaces.space` / `CONDITIONS`, or None, for the policy's trials (None:
+    every choice; a space may leave out what one policy runs as another choice). On the interpreter the tile
     choices are capped at 32 (keeping at least one), so the CPU demo stays small."""
     ss = _search_spaces()
     if ss is None or not hasattr(ss, "space") or not hasattr(ss, "schedule_from_params"):
         return None
-    choices = {k: list(v) for k, v in _call(ss.space, K=K, V=V, op=op).items()}
+    choices = {k: list(v) for k, v in _call(ss.space, K=K, V=V, op=op, policy=policy).items()}
     if interpreter:
         for name, vals in choices.items():
             if name.endswith((".block_k", ".block_v")) and len(vals) > 1:
@@ -152,7 +153,7 @@ def suggest_schedule(trial, *, op: str, K: int, V: int, compute_capability: tupl
                      interpreter: bool, policy: str | None = None) -> Schedule:
     """Sample a Schedule in an Optuna trial (define-by-run, conditional groups); the fields the space does not
     sample are the policy's default's."""
-    decl = declarative_space(op, K, V, interpreter)
+    decl = declarative_space(op, K, V, interpreter, policy)
     if decl is not None:
         choices, conditions = decl
         params = {}
@@ -196,10 +197,12 @@ def suggest_schedule(trial, *, op: str, K: int, V: int, compute_capability: tupl
     return Schedule(**values)
 
 
-def schedule_params(schedule: Schedule, *, op: str, K: int, V: int, interpreter: bool) -> dict[str, Any] | None:
+def schedule_params(schedule: Schedule, *, op: str, K: int, V: int, interpreter: bool,
+                    policy: str | None = None) -> dict[str, Any] | None:
     """Trial params that make `suggest_schedule` return `schedule` (for enqueueing defaults and winners);
-    None when the schedule lies outside the built-in space (it is then skipped, not forced)."""
-    decl = declarative_space(op, K, V, interpreter)
+    None when the schedule lies outside the built-in space of the policy's trials (None: of either policy; it is
+    then skipped, not forced)."""
+    decl = declarative_space(op, K, V, interpreter, policy)
     if decl is not None:
         choices, conditions = decl
         flat = {}

@@ -324,11 +324,11 @@ class Campaign:
         faults = [f for f in search.FAULTS if f != "none"] if search.faults_enabled() else []
         seen = set()
         for fault in faults:  # test-only: one trial per fault, before the clean default
-            params = search.schedule_params(seeds[0], **self._space_kwargs(st.op))
+            params = search.schedule_params(seeds[0], policy=st.policy, **self._space_kwargs(st.op))
             if params is not None:
                 st.study.enqueue_trial({**params, "test_fault": fault}, user_attrs={"seed": f"fault-{fault}"})
         for i, sched in enumerate(seeds):
-            params = search.schedule_params(sched, **self._space_kwargs(st.op))
+            params = search.schedule_params(sched, policy=st.policy, **self._space_kwargs(st.op))
             if params is None or tuple(sorted(params.items())) in seen:
                 continue
             seen.add(tuple(sorted(params.items())))

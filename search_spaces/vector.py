@@ -67,7 +67,8 @@ INTRA_PRECISION_CHOICES = ["ieee", "tf32x3"]
 DV_LOCAL_SOURCE_CHOICES = ["recompute", "forward"]
 # The scans' gated operands K_t, Q_g: formed in each scan program's chunk loop ("inline"), once before the scans
 # ("pregated", kernels/triton/scan_operands.py: two [B,T,H,K] tensors more, the same bits), or read from the save-all
-# forward ("forward": fla-core's qg, kg; policy A, where no scan-operands stage runs; under R the same as "pregated").
+# forward ("forward": fla-core's qg, kg; policy A, where no scan-operands stage runs; under R the same as "pregated",
+# so `space(policy="R")` leaves it out).
 SCAN_OPERAND_CHOICES = ["inline", "pregated", "forward"]
 # Pipeline depth of the vector consumers' two V loops (Schedule.consumer_v_stages; 0, "as consumer_cfg.num_stages",
 # duplicates one of these and is not searched).
@@ -91,9 +92,11 @@ CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.
                                           "consumer_ranges": ("consumer", "joint")}
 
 
-def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
+def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, list[Any]]:
     """Flat parameter name -> choices, for head dims K, V: the scalar space plus `intra`, `intra_precision`,
-    `dv_local_source` and the vector cumsum's feature tile."""
+    `dv_local_source` and the vector cumsum's feature tile. Under policy "R" scan_operands "forward" is left out:
+    nothing is saved for it there and it runs as "pregated", so its trials would repeat those (None: both)."""
+    scalar.check_default_policy(policy)
     # dv_local_source first: the tuner samples in this order and dv_local.block_k is conditional on it
     out = {"dv_local_source": list(DV_LOCAL_SOURCE_CHOICES), **scalar.space(K, V)}
     out["consumer"] = ["joint", "separate"]  # "joint_tma" is a scalar-gate consumer
@@ -101,7 +104,7 @@ def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
         del out[name]
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
-    out["scan_operands"] = list(SCAN_OPERAND_CHOICES)
+    out["scan_operands"] = [c for c in SCAN_OPERAND_CHOICES if not (policy == "R" and c == "forward")]
     out["consumer_v_stages"] = list(CONSUMER_V_STAGE_CHOICES)
     out["cumsum.block_k"] = _tiles_for(K)
     return out

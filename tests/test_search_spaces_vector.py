@@ -442,9 +442,15 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         assert (r.scan_operands, a.scan_operands) == ("pregated", "forward")
         assert vector.constraint(a, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
         params = search.schedule_params(a, op=op, K=128, V=128, interpreter=False)
+        assert params == search.schedule_params(a, op=op, K=128, V=128, interpreter=False, policy="A")
+        assert search.suggest_schedule(optuna.trial.FixedTrial(params), op=op, K=128, V=128,
+                                       compute_capability=(9, 0), interpreter=False, policy="A") == a
+        # policy R's trials do not sample scan_operands "forward" (test_policy_r_space_leaves_out_...)
+        assert search.schedule_params(a, op=op, K=128, V=128, interpreter=False, policy="R") is None
+        r_params = search.schedule_params(r, op=op, K=128, V=128, interpreter=False, policy="R")
         for policy in ("A", "R"):  # a replayed trial is its parameters, whatever the base
-            assert search.suggest_schedule(optuna.trial.FixedTrial(params), op=op, K=128, V=128,
-                                           compute_capability=(9, 0), interpreter=False, policy=policy) == a
+            assert search.suggest_schedule(optuna.trial.FixedTrial(r_params), op=op, K=128, V=128,
+                                           compute_capability=(9, 0), interpreter=False, policy=policy) == r
         assert default_schedule((9, 0), op=op, policy="A") == a == search.default_schedule(op, (9, 0), 128, 128,
                                                                                           None, "A")
         for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):
@@ -519,6 +525,33 @@ def test_every_call_site_asks_for_the_operators_default():
 
 # ----------------------------------------------------------------------------------------------------------
 # per-operator dispatch, as the tuner reaches it (rewy_tune/search.py, op= by keyword)
+
+
+def test_policy_r_space_leaves_out_the_forward_scan_operands():
+    # Under R nothing is saved for scan_operands "forward" and it runs as "pregated": R's trials would repeat those.
+    # A's space and the policy-free one keep it; only that choice differs.
+    from rewy_tune import search
+
+    for K in (64, 128):
+        both, a, r = (vector.space(K, K, policy=p) for p in (None, "A", "R"))
+        assert both == a and "forward" in a["scan_operands"]
+        assert r["scan_operands"] == ["inline", "pregated"]
+        assert {n: c for n, c in r.items() if n != "scan_operands"} == {n: c for n, c in a.items()
+                                                                        if n != "scan_operands"}
+        assert ss.space(K, K, op="kda", policy="R") == r and ss.space(K, K, op="gdn", policy="R") == scalar.space(K, K)
+    for policy in ("R", "A"):
+        choices, _ = search.declarative_space("gdn2", 128, 128, False, policy)
+        assert ("forward" in choices["scan_operands"]) == (policy == "A")
+    sampled = set()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(40):
+        trial = study.ask()
+        sampled.add(search.suggest_schedule(trial, op="kda", K=128, V=128, compute_capability=(9, 0),
+                                            interpreter=False, policy="R").scan_operands)
+        study.tell(trial, 1.0)
+    assert sampled == {"inline", "pregated"}
+    with pytest.raises(ValueError, match=r"policy must be 'R', 'A' or None, got 'B'"):
+        vector.space(128, 128, policy="B")
 
 
 def test_package_dispatches_on_the_operator():
