@@ -41,8 +41,7 @@ def _op_of(problem_dims: Any, op: str | None) -> str | None:
 def space(K: int = 128, V: int = 128, op: str | None = None, policy: str | None = None) -> dict[str, list[Any]]:
     """Flat parameter name -> choices for the operator's space, head dims K, V, and policy (None: every choice of
     both policies; the vector space drops what policy R runs as another choice)."""
-    module = module_for(op)
-    return module.space(K, V, policy=policy) if module is vector else module.space(K, V)
+    return module_for(op).space(K, V, policy=policy)
 
 
 def conditions(op: str | None = None) -> dict[str, tuple[str, str]]:

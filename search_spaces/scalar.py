@@ -65,8 +65,9 @@ def _tiles_for(dim: int) -> list[int]:
     return [t for t in TILES + [256] if t <= cap and (dim % t == 0 or t == cap)]
 
 
-def space(K: int = 128, V: int = 128) -> dict[str, list[Any]]:
-    """Flat parameter name -> choices, for head dims K, V."""
+def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, list[Any]]:
+    """Flat parameter name -> choices, for head dims K, V. No choice here depends on the policy (checked only)."""
+    check_default_policy(policy)
     tk, tv = _tiles_for(K), _tiles_for(V)
     scan_k = [max(16, _pow2_ceil(K))]  # the scans hold all K rows of the state tile
     out: dict[str, list[Any]] = {

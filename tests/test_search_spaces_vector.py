@@ -550,8 +550,9 @@ def test_policy_r_space_leaves_out_the_forward_scan_operands():
                                             interpreter=False, policy="R").scan_operands)
         study.tell(trial, 1.0)
     assert sampled == {"inline", "pregated"}
-    with pytest.raises(ValueError, match=r"policy must be 'R', 'A' or None, got 'B'"):
-        vector.space(128, 128, policy="B")
+    for space in (vector.space, scalar.space):
+        with pytest.raises(ValueError, match=r"policy must be 'R', 'A' or None, got 'B'"):
+            space(128, 128, policy="B")
 
 
 def test_package_dispatches_on_the_operator():

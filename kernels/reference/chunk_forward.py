@@ -149,9 +149,10 @@ def chunk_forward(q, k, v, g, erase, write, *, scale=None, initial_state=None, c
         S0_all.append(S)
         R_all.append(R)
         W_all.append(W)
-        QG_all.append((Qc * gamma).expand_as(Qc))
-        KG_all.append((Kc * tau).expand_as(Kc))
-        S = gamma_n.transpose(-1, -2) * S + (Kc * tau).transpose(-1, -2) @ R
+        KG = Kc * tau
+        QG_all.append(Qc * gamma)
+        KG_all.append(KG)
+        S = gamma_n.transpose(-1, -2) * S + KG.transpose(-1, -2) @ R
 
     return ChunkForward(
         o=from_heads(O, v),

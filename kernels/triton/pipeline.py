@@ -148,11 +148,9 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
                                            scan_qk=scan_qk)
     if gate is not None:
         raise ValueError("gate: the in-kernel gate activation is fused for vector gates (KDA, GDN2) only")
-    if scan_qk is not None:
-        raise ValueError("scan_qk: the forward's gated q and k are per key channel, for vector gates g [B,T,H,K]")
     _check(q, k, v, g, erase, write, A, do, dht, initial_state, S0, R, G, schedule)
     return run_stages(q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state,
-                      schedule=schedule, S0=S0, R=R, G=G, W=W, dv_local=run_dv_local,
+                      schedule=schedule, S0=S0, R=R, G=G, W=W, scan_qk=scan_qk, dv_local=run_dv_local,
                       query_side=query_side if _separate_query_side(schedule) else None,
                       consumer=functools.partial(_scalar_consumer, tma=schedule.consumer == "joint_tma",
                                                  dq_first=schedule.consumer_order == "dq_first",
