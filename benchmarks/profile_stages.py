@@ -33,6 +33,8 @@ FLAG_VARIANTS = {
     "no-last-row": ({"LAST_ROW_LOAD": False}, {}),
     "no-range-in": ({"RANGE_FROM_OPERANDS": False}, {}),
     "no-flags": ({"LAST_ROW_LOAD": False, "RANGE_FROM_OPERANDS": False}, {"consumer_v_stages": 1}),
+    # session 30: the chunk cumsum in order before dv_local and the scan, against the default (beside them)
+    "cumsum-in-order": ({"DEFER_GATE_CUMSUM": False}, {}),
 }
 
 

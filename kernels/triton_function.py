@@ -39,6 +39,7 @@ from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule
 
 SUPPORTED_OPS = ("deltanet", "gdn", "kda", "gdn2")
+LOG2_E = 1.4426950408889634  # fla-core's gates are in log2 units (its RCP_LN2)
 # Operators that backend="auto" and `rewy_tune.enable()` route here: only those whose kernels have passed the
 # GPU suite (tests/kernels/test_triton_{scalar,vector}.py -m gpu) on the H200 with the current kernels: all
 # four, session 3 (benchmarks/RESULTS.md). An operator whose kernels change in a way the interpreter cannot
@@ -107,8 +108,9 @@ def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_si
         out = chunk_gdn2_fwd(q=q, k=k, v=v, g=g, b=erase, w_gate=write, **common)
     o, final_state, Aqk, Akk, w, v_new, h = out[0], out[1], out[3], out[4], out[5], out[9], out[10]
     final_state = _v_first(final_state) if v_first else final_state
-    if policy == "A":  # out[7], out[8]: qg = Q ⊙ exp(G), kg = K ⊙ exp(G_n − G), kept by the save-all path
-        return o, final_state, Akk, h.transpose(-1, -2) if v_first else h, v_new, Aqk, w, (out[7], out[8])
+    if policy == "A":  # out[7], out[8]: qg = Q ⊙ exp(G), kg = K ⊙ exp(G_n − G), and out[2]: its cumsum G·log2 e,
+        # kept by the save-all path
+        return o, final_state, Akk, h.transpose(-1, -2) if v_first else h, v_new, Aqk, w, (out[7], out[8], out[2])
     return o, final_state, Akk, None, None, Aqk, None, None
 
 
@@ -205,21 +207,23 @@ class RewyTritonFunction(torch.autograd.Function):
             A, S0, R, Aqk, W = (t.to(q.dtype) if t is not None else None
                                 for t in (fwd.A, fwd.S0, fwd.R, fwd.Aqk, fwd.W))
             o, final_state = fwd.o, fwd.final_state
-            scan_qk = (fwd.QG, fwd.KG) if policy == "A" else None
+            # fla-core's gate cumsum is in log2 units (G·log2 e, fp32): so is the one kept here
+            scan_qk = (fwd.QG, fwd.KG, (fwd.G * LOG2_E).float()) if policy == "A" and vector_gate else None
             if S0 is not None and vector_gate and V_FIRST_SAVED_STATES:  # the layout FLA's V-first h has on CUDA
                 S0 = S0.transpose(-1, -2).contiguous().transpose(-1, -2)
         Aqk = Aqk if keep_aqk else None  # saved only when the schedule's dv_local reads it
         W = W if schedule.w_source == "forward" else None  # policy A only (None under R)
         # the forward's gated q and k: policy A with scan_operands "forward" (vector gates) only
-        qg, kg = scan_qk if vector_gate and schedule.scan_operands == "forward" and scan_qk is not None else (None,) * 2
-        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias, qg, kg)
+        qg, kg, gk = (scan_qk if vector_gate and schedule.scan_operands == "forward" and scan_qk is not None
+                      else (None,) * 3)
+        ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias, qg, kg, gk)
         ctx.scale, ctx.schedule, ctx.gate_in_kernel, ctx.lower_bound = scale, schedule, gate is not None, lower_bound
         ctx.set_materialize_grads(False)
         return o, (final_state if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias, qg, kg = ctx.saved_tensors
+        q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias, qg, kg, gk = ctx.saved_tensors
         gate = GateActivation(A_log, dt_bias, ctx.lower_bound) if ctx.gate_in_kernel else None
         do = torch.zeros_like(v) if do is None else do.to(v.dtype)
         h0 = initial_state.float() if initial_state is not None else None
@@ -230,7 +234,7 @@ class RewyTritonFunction(torch.autograd.Function):
         dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
             q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
             S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate, gate_grads=gate_grads,
-            scan_qk=(qg, kg) if qg is not None else None)
+            scan_qk=(qg, kg, gk) if qg is not None else None)
         dA_log, ddt_bias = gate_grads.get("A_log"), gate_grads.get("dt_bias")
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)

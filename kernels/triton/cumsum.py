@@ -57,11 +57,13 @@ def rewy_chunk_cumsum_kernel(
 
 
 def chunk_cumsum(g: torch.Tensor, *, chunk_size: int = 64, BK: int = 64, num_warps: int = 4,
-                 gate: GateActivation | None = None, with_range: bool = False):
+                 gate: GateActivation | None = None, with_range: bool = False, out: torch.Tensor | None = None,
+                 range_out: torch.Tensor | None = None):
     """G_i = Σ_{t ≤ i, same chunk} g_t, fp32 natural log, for g [B,T,H] or [B,T,H,K] (BK tiles K; ignored for
     scalars). With ``gate`` (vector g only), g is the raw gate input and g_t its activation. with_range (vector g
     only): (G, range) with range [B, NT, H, 2, K] fp32, [..., 0, :] G's maximum over each chunk's valid rows and
-    [..., 1, :] its minimum."""
+    [..., 1, :] its minimum. out, range_out: contiguous fp32 buffers of those shapes to write instead of new ones
+    (the pipeline allocates them on its main stream and runs this kernel on another)."""
     validate_chunk_size(chunk_size)
     validate_launch(num_warps)
     if g.dim() not in (3, 4):
@@ -78,10 +80,12 @@ def chunk_cumsum(g: torch.Tensor, *, chunk_size: int = 64, BK: int = 64, num_war
     if vector:
         validate_tile("BK", BK, lo=1, hi=256)
     g = g.contiguous()
-    y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     NK = triton.cdiv(K, BK) if vector else 1
     NT = triton.cdiv(T, chunk_size)
-    grange = torch.empty(B, NT, H, 2, K, dtype=torch.float32, device=g.device) if with_range else None
+    if range_out is not None and not with_range:
+        raise ValueError("range_out: pass with_range=True with it")
+    y = _buffer(out, "out", g.shape, g.device)
+    grange = _buffer(range_out, "range_out", (B, NT, H, 2, K), g.device) if with_range else None
     grid = (NK, NT, B * H)
     A_log, dt_bias = (gate.A_log, gate.dt_bias) if gate is not None else (None, None)
     lower = gate is not None and gate.lower_bound is not None
@@ -91,3 +95,14 @@ def chunk_cumsum(g: torch.Tensor, *, chunk_size: int = 64, BK: int = 64, num_war
                                    GATE=gate is not None, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
                                    LOWER=lower, RANGE=with_range, num_warps=num_warps)
     return (y, grange) if with_range else y
+
+
+def _buffer(buf: torch.Tensor | None, name: str, shape, device) -> torch.Tensor:
+    """A given output buffer, checked, or a new fp32 one."""
+    if buf is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if tuple(buf.shape) != tuple(shape) or buf.dtype != torch.float32 or buf.device != device \
+            or not buf.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 {tuple(shape)} on {device}, got {tuple(buf.shape)} "
+                         f"{buf.dtype} on {buf.device}")
+    return buf

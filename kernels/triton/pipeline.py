@@ -235,11 +235,13 @@ def _second_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)
 
 
-def _scan_beside_consumer(launches, streams):
+def _scan_beside_consumer(launches, streams, gate_made=None):
     """The chunk ranges of `reverse_state_scan_ranges`' launches, each scan launch on the side stream, the main
     stream waiting for it before the range is yielded (the consumer launches it there). The scan runs from the last
     chunk, so the consumer of the chunks it has finished runs on the SMs its B·H·V/BV programs leave idle, beside
-    the scan of the earlier chunks. streams None (`chase_streams`): all in order on the current stream.
+    the scan of the earlier chunks. streams None (`chase_streams`): all in order on the current stream. gate_made: the
+    event of the deferred chunk cumsum on the second stream (`_cumsum_beside`); the main stream waits for it after
+    the scan's launches are queued (before, the scan would wait for it too).
 
     Memory: the scan's outputs and carry were allocated on the main stream before the fork, and the main stream
     waits for each range before anything it launches reads it, so no allocation crosses streams."""
@@ -254,6 +256,8 @@ def _scan_beside_consumer(launches, streams):
         # consumer range between two of its own
         with torch.cuda.stream(side):
             done = [(chunk_range, side.record_event()) for chunk_range in launches]
+        if gate_made is not None:  # (the second stream's ranges come after the cumsum in its own order)
+            main.wait_event(gate_made)
         for i, (chunk_range, event) in enumerate(done):
             stream = (main, second)[i % 2]
             stream.wait_event(event)
@@ -262,6 +266,29 @@ def _scan_beside_consumer(launches, streams):
     finally:  # also when the consumer raised: nothing is freed while the other streams may still use it
         main.wait_stream(side)
         main.wait_stream(second)
+
+
+def _cumsum_beside(g, cumsum_args, device):
+    """Run the deferred chunk cumsum (`chunk_cumsum(g, **cumsum_args)`, its out buffers allocated on the main stream)
+    on the second stream, from the main stream's work so far, and return its event; the consumer's stream must wait
+    for it. None: nothing deferred, or no streams to overlap (`chase_streams`), when it runs here in order.
+
+    Its buffers are made on the main stream and written on the second: record_stream keeps their memory from being
+    handed out again while the second stream may still write them (also when the backward raises before the wait)."""
+    if cumsum_args is None:
+        return None
+    streams = chase_streams(device)
+    if streams is None:
+        chunk_cumsum(g, **cumsum_args)
+        return None
+    main, _, second = streams
+    second.wait_stream(main)  # g (and the gate's parameters) were made there
+    with torch.cuda.stream(second):
+        chunk_cumsum(g, **cumsum_args)
+        for t in (cumsum_args["out"], cumsum_args["range_out"]):
+            if t is not None and t.is_cuda:  # (the CPU order test drives this path with stand-in streams)
+                t.record_stream(second)
+        return second.record_event()
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,26 +304,30 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _check_scan_qk(scan_qk, k, G, g) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qg, kg) as given for ``run_stages(scan_qk=...)``: a pair of [B,T,H,K] tensors in k's dtype on its device, for a
-    vector gate g whose G the cumsum forms here (it also writes the gate range the consumer's guard reads)."""
-    if not isinstance(scan_qk, (tuple, list)) or len(scan_qk) != 2:
-        raise TypeError(f"scan_qk must be a pair (qg, kg), got {type(scan_qk).__name__}")
+def _check_scan_qk(scan_qk, k, G, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qg, kg, gk) as given for ``run_stages(scan_qk=...)``: [B,T,H,K] tensors qg, kg in k's dtype on its device, for a
+    vector gate g whose G the cumsum forms here (it also writes the gate range the consumer's guard reads), and
+    optionally gk, the forward's chunk cumsum in log2 units (fp32, same shape; None when the pair is given)."""
+    if not isinstance(scan_qk, (tuple, list)) or len(scan_qk) not in (2, 3):
+        raise TypeError(f"scan_qk must be a pair (qg, kg) or a triple (qg, kg, gk), got {type(scan_qk).__name__}"
+                        + (f" of {len(scan_qk)}" if isinstance(scan_qk, (tuple, list)) else ""))
     if g is None or g.dim() != 4:
         raise ValueError("scan_qk: the forward's gated q and k are per key channel, for vector gates g [B,T,H,K]")
     if G is not None:
         raise ValueError("scan_qk: pass the gate g and no G (the chunk cumsum forms G and the gate range together)")
-    for name, t in zip(("qg", "kg"), scan_qk):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(k.shape) or t.dtype != k.dtype \
+    for name, t, dtype, what in zip(("qg", "kg", "gk"), scan_qk, (k.dtype, k.dtype, torch.float32),
+                                    ("k's dtype", "k's dtype", "fla-core's gate cumsum dtype")):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(k.shape) or t.dtype != dtype \
                 or t.device != k.device:
-            raise ValueError(f"scan_qk's {name} must be [B,T,H,K]={tuple(k.shape)} in k's dtype {k.dtype} on "
+            raise ValueError(f"scan_qk's {name} must be [B,T,H,K]={tuple(k.shape)} in {what} {dtype} on "
                              f"{k.device}, got " + (f"{tuple(t.shape)} in {t.dtype} on {t.device}"
                                                     if isinstance(t, torch.Tensor) else type(t).__name__))
-    return scan_qk[0].contiguous(), scan_qk[1].contiguous()
+    gk = scan_qk[2].contiguous() if len(scan_qk) == 3 else None
+    return scan_qk[0].contiguous(), scan_qk[1].contiguous(), gk
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
-               dv_local, consumer, W=None, query_side=None, gate=None, scan_qk=None):
+               dv_local, consumer, W=None, query_side=None, gate=None, scan_qk=None, dv_local_reads_gate=True):
     """The stage order shared by every operator; the gate type only picks the two local stages.
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None)` and
@@ -307,7 +338,11 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     stream's reverse scan; the consumer then takes dq=, gbq=. Inputs are checked by the caller, but for W (policy A's
     forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
     scan_qk (vector gates, Schedule.scan_operands "forward"): (qg, kg), fla-core's saved Q ⊙ exp(G) and
-    K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t.
+    K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t. A triple
+    (qg, kg, gk) adds fla-core's own chunk cumsum gk = G·log2 e (fp32, its save-all keeps it): the reverse scan then
+    reads Γ_n from it, and where dv_local does not read G either (dv_local_reads_gate False: A_qk from the forward)
+    the backward's chunk cumsum runs on a second stream beside dv_local and the scan (`_cumsum_beside`), off the
+    path to the scan's first step; the consumer waits for it.
     """
     if W is not None:
         if S0 is None:
@@ -325,18 +360,28 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
 
     if gate is not None and G is not None:
         raise ValueError("gate: pass the raw gate input g and no G (the cumsum applies the activation)")
+    scan_gk = None  # the forward's log2 chunk cumsum: the reverse scan's Γ_n
     if scan_qk is not None:
-        scan_qk = _check_scan_qk(scan_qk, k, G, g)
-    gate_range = None
+        *scan_qk, scan_gk = _check_scan_qk(scan_qk, k, G, g)
+    gate_range = cumsum_later = None
     if g is None:
         G = None
     elif G is None:
         # with the forward's qg, kg no scan-operands stage runs: the cumsum writes the consumer's gate range
         want_range = scan_qk is not None and vector_local.RANGE_FROM_OPERANDS
-        G = chunk_cumsum(g, chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps, gate=gate,
-                         with_range=want_range)
-        if want_range:
-            G, gate_range = G
+        cumsum_args = dict(chunk_size=C, BK=sc.cumsum.block_k, num_warps=sc.cumsum.num_warps, gate=gate,
+                           with_range=want_range)
+        if scan_gk is not None and not dv_local_reads_gate and vector_local.DEFER_GATE_CUMSUM:
+            # only the consumer reads G: the cumsum runs beside dv_local and the scan (below)
+            G = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+            if want_range:
+                gate_range = torch.empty(g.shape[0], triton.cdiv(g.shape[1], C), g.shape[2], 2, g.shape[3],
+                                         dtype=torch.float32, device=g.device)
+            cumsum_later = dict(cumsum_args, out=G, range_out=gate_range)
+        else:
+            G = chunk_cumsum(g, **cumsum_args)
+            if want_range:
+                G, gate_range = G
     else:
         G = G.to(torch.float32).contiguous()
     # Schedule.scan_operands "pregated" (vector gates): K_t and Q_g formed once, here, and read by both scans. They
@@ -373,10 +418,13 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
                      num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated,
-                     q_scaled=q_scaled)
+                     q_scaled=q_scaled, gate_log2=scan_gk is not None)
+    G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
 
     def run_reverse_scan(dvl):
-        return reverse_state_scan(scan_q, scan_k, W, G, do, dvl, dht, **scan_args)
+        return reverse_state_scan(scan_q, scan_k, W, G_scan, do, dvl, dht, **scan_args)
+
+    gate_made = _cumsum_beside(g, cumsum_later, k.device)  # (None: in order, or nothing deferred)
 
     dS1 = Rbar = dh0 = None
     dq_made = None  # (dq, Ḡ_q) from the query-side stage
@@ -426,20 +474,23 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         NT = triton.cdiv(q.shape[1], C)
         n_ranges = consumer_range_count(sc, NT, vector=vector)  # as if the scan did not split
         if n_ranges > 1:  # then whether its split rules them out
-            segments = reverse_scan_segment_count(k, G, v.shape[-1], chunk_size=C, BV=rs.block_v,
+            segments = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=rs.block_v,
                                                   num_segments=sc.reverse_scan_segments,
                                                   split_max_programs=split_limit)
             n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments)
         if n_ranges > 1:
             # unsplit: the ranges run in place of a split (vector auto, `consumer_range_count`)
-            dS1, Rbar, dh0, launches = reverse_state_scan_ranges(scan_q, scan_k, W, G, do, dvl, dht,
+            dS1, Rbar, dh0, launches = reverse_state_scan_ranges(scan_q, scan_k, W, G_scan, do, dvl, dht,
                                                                  num_ranges=n_ranges,
                                                                  **{**scan_args, "num_segments": 1})
-            ranges = _scan_beside_consumer(launches, chase_streams(k.device))
+            ranges = _scan_beside_consumer(launches, chase_streams(k.device), gate_made)
+            gate_made = None  # the first range waits for it
             dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range
         else:
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
-    del dvl, W, scan_q, scan_k, scan_qk  # (chunk ranges: the scan's launches hold them until the last range has run)
+    del dvl, W, scan_q, scan_k, scan_qk, scan_gk, G_scan  # (chunk ranges: the scan's launches hold them until the last range has run)
+    if gate_made is not None:  # the deferred cumsum's G and gate range
+        torch.cuda.current_stream(k.device).wait_event(gate_made)
 
     P = D = None
     if sc.consumer == "separate":

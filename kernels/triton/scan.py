@@ -168,11 +168,13 @@ def _bwd_k_dot(acc, k, G, tok, tok_last, m_row, b_ds, i_kb: tl.constexpr, K: tl.
 
 @triton.jit
 def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, i_kb: tl.constexpr,
-                      K: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+                      K: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+                      G_LOG2: tl.constexpr = False):
     # dS[block] ← Γ_n dS[block] + Q_g[:, block]ᵀ dO − W[:, block]ᵀ R̄, Q_gᵀ and Wᵀ loaded transposed.
     # b_dod: dO (scalar gate / no gate: rows already scaled by s·exp(G)); b_nrb = −R̄ (input dtype).
     # GATE 3 (vector, pregated): q is Q_g = s·Q ⊙ exp(G) already (`scan_operands.py`), only Γ_n is left; GATE 4: q is
-    # Q ⊙ exp(G) (fla-core's qg) and b_dod carries s.
+    # Q ⊙ exp(G) (fla-core's qg) and b_dod carries s. G_LOG2 (GATE ≥ 3 only): G is fla-core's own chunk cumsum in
+    # log2 units (G·log2 e), so Γ_n = exp2(G_n): the scan need not wait for the backward's chunk cumsum.
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     m_kr = m_k[:, None] & m_row[None, :]
@@ -187,7 +189,10 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
         b_ds = b_ds * tl.exp(b_gl)[:, None]
     elif GATE >= 3:
         b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_ds = b_ds * tl.exp(b_gl)[:, None]
+        if G_LOG2:
+            b_ds = b_ds * tl.exp2(b_gl)[:, None]
+        else:
+            b_ds = b_ds * tl.exp(b_gl)[:, None]
     b_ds = _mma(b_qt, b_dod, b_ds, PREC)
     return _mma(b_wt, b_nrb, b_ds, PREC)
 
@@ -290,7 +295,7 @@ def rewy_bwd_scan_kernel(
     H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
-    STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr,
+    STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr, G_LOG2: tl.constexpr,
 ):
     # PHASE 0: reverse scan of segment s from dh_in[bh, s] (gradient at the segment's end; zero if absent),
     #          storing dS1 per chunk, R̄, and dh0 for segment 0. CARRY (chunk ranges, one launch each from the
@@ -365,16 +370,16 @@ def rewy_bwd_scan_kernel(
             tl.store(Rbar + tok[:, None] * V + cols[None, :], b_rb.to(Rbar.dtype.element_ty), mask=m_rv)
         b_nrb = (-b_rb).to(dt)
         b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 0, K, KB, GATE,
-                                 PREC)
+                                 PREC, G_LOG2)
         if NB > 1:
             b_d1 = _bwd_state_update(b_d1, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 1, K, KB,
-                                     GATE, PREC)
+                                     GATE, PREC, G_LOG2)
         if NB > 2:
             b_d2 = _bwd_state_update(b_d2, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 2, K, KB,
-                                     GATE, PREC)
+                                     GATE, PREC, G_LOG2)
         if NB > 3:
             b_d3 = _bwd_state_update(b_d3, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 3, K, KB,
-                                     GATE, PREC)
+                                     GATE, PREC, G_LOG2)
 
     if PHASE == 0:
         if CARRY:
@@ -760,6 +765,7 @@ def reverse_state_scan_ranges(
     num_ranges: int = 1,
     pregated: bool = False,
     q_scaled: bool = True,
+    gate_log2: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -778,6 +784,8 @@ def reverse_state_scan_ranges(
     pregated (vector G only): q is Q_g = s·Q ⊙ exp(G) and k is K_t = K ⊙ exp(G_n − G), both from
     `scan_operands.gated_scan_operands`; the scan reads G's last rows alone. The same bits as q, k and G.
     q_scaled False (with pregated): q is Q ⊙ exp(G) without s (fla-core's saved qg), and dO is scaled by s instead.
+    gate_log2 (with pregated): G is in log2 units, G·log2 e (fla-core's own chunk cumsum, which its save-all forward
+    keeps): the scan reads only its last rows, as exp2.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -793,6 +801,10 @@ def reverse_state_scan_ranges(
         raise ValueError(f"dht must have shape {(B, H, K, V)}, got {tuple(dht.shape)}")
     gk = gate_kind(G, k)
     code = _gate_code(gk, pregated, q_scaled)
+    if not isinstance(gate_log2, bool):
+        raise TypeError(f"gate_log2 must be a bool, got {type(gate_log2).__name__}")
+    if gate_log2 and not pregated:
+        raise ValueError("gate_log2=True: only a pregated scan reads G's last rows alone; pass pregated=True with it")
     q, k, W, do = q.contiguous(), k.contiguous(), W.contiguous(), do.contiguous()
     G = G.contiguous() if G is not None else None
     dvl = dv_local.contiguous() if dv_local is not None else None
@@ -807,7 +819,7 @@ def reverse_state_scan_ranges(
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
     KB, NB = _state_blocks(K)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl is not None,
-                  PREC=prec, num_warps=num_warps, num_stages=num_stages)
+                  PREC=prec, G_LOG2=gate_log2, num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     # Scratch is allocated here, on the caller's stream, not in the launches, which the pipeline runs on its side
     # stream. It lives as long as the iterator: the pipeline takes this path only where the scan does not split

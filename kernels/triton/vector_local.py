@@ -83,6 +83,11 @@ NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the 
 # they replace run (tests/kernels/test_triton_vector.py::test_consumer_flag_same_bits).
 LAST_ROW_LOAD = True
 RANGE_FROM_OPERANDS = True
+# DEFER_GATE_CUMSUM (policy A, Schedule.scan_operands "forward", A_qk from the forward): the reverse scan reads Γ_n from
+# fla-core's own gate cumsum (log2 units, kept by its save-all forward), so the backward's chunk cumsum, which only the
+# consumer then reads, runs on a second stream beside dv_local and the scan instead of before them
+# (`pipeline._cumsum_beside`). Off: it runs first, in order (the scan still reads the forward's cumsum).
+DEFER_GATE_CUMSUM = True
 
 
 @triton.jit
@@ -760,7 +765,8 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
 
     dq, dk, dv, dg, d_erase, d_write, dh0 = run_stages(
         q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state, schedule=schedule, S0=S0,
-        R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate, scan_qk=scan_qk)
+        R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate, scan_qk=scan_qk,
+        dv_local_reads_gate=not from_forward)
     if gate is not None:  # dg is the activated gate's (fp32): through the activation to g, A_log and dt_bias
         dg, gate_grads["A_log"], gate_grads["dt_bias"] = gate_backward(g, gate, dg)
     return dq, dk, dv, dg, d_erase, d_write, dh0

@@ -31,6 +31,7 @@ from rewy_tune.schedule import Schedule, StageConfig
 from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
+LOG2_E = 1.4426950408889634  # fla-core's gate cumsum is G·log2 e
 BASE = Schedule(
     recompute=StageConfig(32, 32, 4, 2), forward_scan=StageConfig(32, 32, 4, 2),
     dv_local=StageConfig(32, 32, 4, 2), reverse_scan=StageConfig(32, 32, 4, 2),
@@ -105,7 +106,17 @@ def oracle(x, C=64, device="cpu"):
 def run_triton(x, schedule, policy="R", paths=None, s0_v_first=False):
     """Forward through the torch reference in fp32 (as the CPU autograd Function does), then the Triton backward.
     s0_v_first (policy A): S0 passed as FLA's state_v_first h gives it, a transposed view of [V, K] storage.
-    scan_operands "forward" (policy A): the reference forward's QG, KG in the input dtype as scan_qk, and no G."""
+    scan_operands "forward" (policy A): the reference forward's QG, KG in the input dtype and its gate cumsum in
+    fla-core's log2 units (fp32) as scan_qk, and no G."""
+    A, kw = saved_for_backward(x, schedule, policy, s0_v_first)
+    out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], A, x["do"],
+                                      x["dht"], scale=x["q"].shape[-1] ** -0.5, initial_state=x["h0"],
+                                      schedule=schedule, intra_paths=paths, **kw)
+    return dict(zip(NAMES, out))
+
+
+def saved_for_backward(x, schedule, policy="R", s0_v_first=False):
+    """(A, the backward's keyword tensors) from the reference forward in fp32, as `run_triton` passes them."""
     scale = x["q"].shape[-1] ** -0.5
     f = {n: (t.float() if t is not None else None) for n, t in x.items()}
     fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
@@ -114,15 +125,12 @@ def run_triton(x, schedule, policy="R", paths=None, s0_v_first=False):
     kw = dict(S0=S0, R=fwd.R.to(x["q"].dtype), G=fwd.G) if policy == "A" else {}
     if policy == "A" and schedule.scan_operands == "forward":  # the forward's qg, kg, as the autograd Function passes
         del kw["G"]  # (the cumsum then forms G and the consumer's gate range)
-        kw["scan_qk"] = (fwd.QG.to(x["q"].dtype), fwd.KG.to(x["q"].dtype))
+        kw["scan_qk"] = (fwd.QG.to(x["q"].dtype), fwd.KG.to(x["q"].dtype), (fwd.G * LOG2_E).float())
     if policy == "A" and schedule.w_source == "forward":  # as the autograd Function passes it
         kw["W"] = fwd.W.to(x["q"].dtype)
     if schedule.dv_local_source == "forward":
         kw["Aqk"] = unwritten_upper(fwd.Aqk.to(x["q"].dtype))
-    out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"],
-                                      x["dht"], scale=scale, initial_state=x["h0"], schedule=schedule,
-                                      intra_paths=paths, **kw)
-    return dict(zip(NAMES, out))
+    return fwd.A, kw
 
 
 def unwritten_upper(Aqk):
@@ -583,9 +591,11 @@ def test_cumsum_gate_range():
         chunk_cumsum(g, with_range=1)
 
 
-def _run_scan_qk(x, schedule, scan_qk=True):
+def _run_scan_qk(x, schedule, scan_qk=True, gate_cumsum=None):
     """Policy A through the Triton backward with the reference forward's gated q and k (fla-core's qg, kg
-    convention) as scan_qk, g passed and no G, as the autograd Function calls it."""
+    convention) as scan_qk, g passed and no G, as the autograd Function calls it. gate_cumsum: "log2" adds the
+    forward's gate cumsum in fla-core's log2 units as scan_qk's third tensor ("natural": in the wrong units, G itself).
+    With dv_local_source "forward" the forward's A_qk is passed too."""
     scale = x["q"].shape[-1] ** -0.5
     f = {n: (t.float() if t is not None else None) for n, t in x.items()}
     fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
@@ -593,6 +603,10 @@ def _run_scan_qk(x, schedule, scan_qk=True):
     kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype))
     if scan_qk:
         kw["scan_qk"] = (fwd.QG, fwd.KG)
+        if gate_cumsum is not None:
+            kw["scan_qk"] += ((fwd.G * LOG2_E if gate_cumsum == "log2" else fwd.G).float(),)
+    if schedule.dv_local_source == "forward":
+        kw["Aqk"] = unwritten_upper(fwd.Aqk.to(x["q"].dtype))
     out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"],
                                       x["dht"], scale=scale, initial_state=x["h0"], schedule=schedule, **kw)
     return dict(zip(NAMES, out))
@@ -631,8 +645,9 @@ def test_scan_operands_forward(op, consumer, decay, coef, ranges, monkeypatch):
 
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_public_op_scan_operands_forward(op, monkeypatch):
-    # Through the autograd Function (CPU: the reference forward's QG, KG): under A "forward" keeps two [B,T,H,K]
-    # tensors more and the backward runs no scan-operands stage; under R the field reads as "pregated" (same bits).
+    # Through the autograd Function (CPU: the reference forward's QG, KG and G·log2 e): under A "forward" keeps three
+    # [B,T,H,K] tensors more (fla-core's qg, kg and gate cumsum) and the backward runs no scan-operands stage; under R
+    # the field reads as "pregated" (same bits).
     from rewy_tune.kernels.triton import pipeline
 
     x = make_inputs(op, 1, 100, 1, 32, 32, seed=93)
@@ -647,7 +662,7 @@ def test_public_op_scan_operands_forward(op, monkeypatch):
         got, saved = _public_op_grads(op, x, torch.float32, "triton", policy, pregated.replace(scan_operands="forward"))
         assert made == ([] if policy == "A" else [1]), policy
         base, saved_base = _public_op_grads(op, x, torch.float32, "triton", policy, pregated)
-        assert saved.count(k_shape) == saved_base.count(k_shape) + (2 if policy == "A" else 0), policy
+        assert saved.count(k_shape) == saved_base.count(k_shape) + (3 if policy == "A" else 0), policy
         _assert_public_op_gates(got, ref, ctx=(policy,))
         if policy == "R":
             for n in got:
@@ -684,6 +699,155 @@ def test_scan_qk_bad_inputs():
     with pytest.raises(TypeError, match="q_scaled must be a bool"):
         scan.reverse_state_scan(k, k, k, fwd.G, x["do"], None, None, scale=1.0, BK=32, BV=32, pregated=True,
                                 q_scaled=0)
+
+
+@pytest.mark.parametrize("source,split,decay", [("forward", 2, "normal"), ("forward", 1, "strong"),
+                                                ("recompute", 2, "normal")])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_scan_reads_the_forward_gate_cumsum(op, source, split, decay, monkeypatch):
+    # scan_qk's third tensor, fla-core's gate cumsum in log2 units: the reverse scan reads Γ_n = exp2 of it (G_LOG2),
+    # not the backward's own G. With A_qk from the forward (dv_local reads no G) the backward's cumsum is deferred:
+    # it writes buffers the pipeline made (out=, range_out=), which the consumer reads. Split in 2 or in 2 consumer
+    # ranges; a tail, an initial state, normal or strong decay; the fp64 oracle's gates. Given in natural-log units,
+    # the gates fail (normal decay; under strong decay both Γ_n are ~0): the scan does read it.
+    from rewy_tune.kernels.triton import cumsum, pipeline, scan
+
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=31, decay=decay)
+    sched = BASE.replace(chunk_size=32, scan_operands="forward", w_source="recompute", dv_local_source=source,
+                         reverse_scan_segments=split, consumer_ranges=1 if split == 2 else 2)
+    seen, cumsums = [], []
+    names = spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel",
+                                lambda args, kw, grid: seen.append((kw["G_LOG2"], args[3])))
+    real = cumsum.chunk_cumsum
+    monkeypatch.setattr(pipeline, "chunk_cumsum", lambda *a, **kw: cumsums.append(kw) or real(*a, **kw))
+    assert names[3] == "G"
+    got = _run_scan_qk(x, sched, gate_cumsum="log2")
+    assert seen and all(flag is True and G.dtype == torch.float32 for flag, G in seen)
+    assert len(cumsums) == 1
+    deferred = source == "forward"
+    assert (cumsums[0].get("out") is not None) == deferred and (cumsums[0].get("range_out") is not None) == deferred
+    ref = oracle(x, C=32)
+    assert_gates(got, ref, ctx=f"{op} {source} split {split}: the forward's log2 gate cumsum")
+    if decay == "normal":
+        bad = _run_scan_qk(x, sched, gate_cumsum="natural")
+        with pytest.raises(AssertionError):
+            assert_gates(bad, ref, ctx="the gate cumsum in natural-log units")
+
+
+@pytest.mark.parametrize("ranges", [1, 2, "flag off"])
+def test_deferred_cumsum_runs_beside_the_scan(ranges, monkeypatch):
+    # the deferred chunk cumsum forks onto the second stream before dv_local and joins before the consumer: after the
+    # scan's launches are queued in ranges (else the scan would wait for it), before the consumer in one launch.
+    # DEFER_GATE_CUMSUM off: it runs first on the main stream, no fork.
+    from rewy_tune.kernels.triton import vector_local
+
+    if ranges == "flag off":
+        monkeypatch.setattr(vector_local, "DEFER_GATE_CUMSUM", False)
+    log = []
+    _stand_in_streams_vector(monkeypatch, log)
+    x = make_inputs("gdn2", 1, 100, 2, 32, 32, seed=37)
+    sched = BASE.replace(chunk_size=32, scan_operands="forward", w_source="recompute", dv_local_source="forward",
+                         reverse_scan_segments=1, consumer_ranges=1 if ranges == "flag off" else ranges)
+    assert_gates(_run_scan_qk(x, sched, gate_cumsum="log2"), oracle(x, C=32), ctx=f"deferred cumsum, {ranges}")
+    fork = ["second waits main", "cumsum on second", "second records", "dv_local on main"]
+    if ranges == "flag off":
+        assert log == ["cumsum on main", "dv_local on main", "reverse_scan on main", "consumer on main"]
+    elif ranges == 1:
+        assert log == fork + ["reverse_scan on main", "main waits second's event", "consumer on main"]
+    else:
+        # (the consumer function is entered first; its launches follow the scan's, range by range)
+        assert log == fork + ["reverse_scan on main", "consumer on main", "side waits main", "second waits main",
+                              "side records", "side records", "main waits second's event", "main waits side's event",
+                              "second waits side's event", "main waits side", "main waits second"]
+
+
+def _stand_in_streams_vector(monkeypatch, log):
+    """Stand-in CUDA streams for the vector path's forks (`test_triton_scalar._stand_in_streams`' kind): each wait,
+    each event and the stream each stage launches on go to `log`."""
+    import contextlib
+
+    from rewy_tune.kernels.triton import pipeline, vector_local
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+        def record_event(self):
+            log.append(f"{self.name} records")
+            return self.name
+
+        def wait_event(self, event):
+            log.append(f"{self.name} waits {event}'s event")
+
+    main, side, second = Stream("main"), Stream("side"), Stream("second")
+    current = [main]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    def logged(name, fn):
+        return lambda *a, **kw: log.append(f"{name} on {current[-1].name}") or fn(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "chase_streams", lambda device: (main, side, second))
+    monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
+    for module, attr, name in ((pipeline, "chunk_cumsum", "cumsum"), (vector_local, "dv_local_aqk", "dv_local"),
+                               (pipeline, "reverse_state_scan", "reverse_scan"),
+                               (pipeline, "reverse_state_scan_ranges", "reverse_scan"),
+                               (vector_local, "consumer_vector", "consumer")):
+        monkeypatch.setattr(module, attr, logged(name, getattr(module, attr)))
+
+
+def test_scan_gate_cumsum_bad_inputs():
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.kernels.triton.cumsum import chunk_cumsum
+    from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
+
+    x = make_inputs("kda", 1, 64, 1, 32, 32, seed=3)
+    f = {n: (t.float() if t is not None else None) for n, t in x.items()}
+    fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=0.2, chunk_size=32,
+                        save_states=True)
+    sched = BASE.replace(chunk_size=32, scan_operands="forward")
+    gk = (fwd.G * LOG2_E).float()
+    with pytest.raises(ValueError, match=r"scan_qk's gk must be \[B,T,H,K\]=\(1, 64, 1, 32\) in fla-core's gate "
+                                         r"cumsum dtype torch.float32 .* got \(1, 64, 1, 32\) in torch.float16"):
+        rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"], None,
+                             scale=0.2, initial_state=None, schedule=sched, S0=fwd.S0, R=fwd.R,
+                             scan_qk=(fwd.QG, fwd.KG, gk.half()))
+    with pytest.raises(TypeError, match=r"scan_qk must be a pair \(qg, kg\) or a triple \(qg, kg, gk\), got tuple "
+                                        r"of 4"):
+        rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"], None,
+                             scale=0.2, initial_state=None, schedule=sched, S0=fwd.S0, R=fwd.R,
+                             scan_qk=(fwd.QG, fwd.KG, gk, gk))
+    k = x["k"]
+    with pytest.raises(ValueError, match="gate_log2=True: only a pregated scan"):
+        scan.reverse_state_scan(k, k, k, gk, x["do"], None, None, scale=1.0, BK=32, BV=32, gate_log2=True)
+    with pytest.raises(TypeError, match="gate_log2 must be a bool"):
+        scan.reverse_state_scan(k, k, k, gk, x["do"], None, None, scale=1.0, BK=32, BV=32, pregated=True,
+                                gate_log2=1)
+    with pytest.raises(ValueError, match=r"out must be a contiguous float32 \(1, 64, 1, 32\)"):
+        chunk_cumsum(x["g"], chunk_size=32, out=torch.empty(1, 64, 1, 16))
+    with pytest.raises(ValueError, match=r"range_out must be a contiguous float32 \(1, 2, 1, 2, 32\)"):
+        chunk_cumsum(x["g"], chunk_size=32, with_range=True, range_out=torch.empty(1, 2, 1, 2, 32).double())
+    with pytest.raises(ValueError, match="range_out: pass with_range=True"):
+        chunk_cumsum(x["g"], chunk_size=32, range_out=torch.empty(1, 2, 1, 2, 32))
+
+
+def test_cumsum_into_given_buffers():
+    # out= / range_out=: the same bits as new buffers, written in place
+    from rewy_tune.kernels.triton.cumsum import chunk_cumsum
+
+    x = make_inputs("gdn2", 1, 100, 2, 32, 32, seed=5)
+    G, r = chunk_cumsum(x["g"], chunk_size=32, BK=16, with_range=True)
+    out, rout = torch.full_like(G, float("nan")), torch.full_like(r, float("nan"))
+    G2, r2 = chunk_cumsum(x["g"], chunk_size=32, BK=16, with_range=True, out=out, range_out=rout)
+    assert G2 is out and r2 is rout and torch.equal(G, out) and torch.equal(r, rout)
 
 
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
@@ -1177,6 +1341,55 @@ def test_gpu_bench_shapes(op, B, T, H, policy):
         assert_gates(out, ref, ctx=f"gpu {op} {B},{T},{H} {policy} {states} states")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (1, 2048, 4)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_cuda_graph_replay(op, B, T, H, policy):
+    # the device default's backward captured in a CUDA graph (as `rewy-tune bench` measures it) and replayed on other
+    # inputs copied into its buffers: the same bits as an eager call on those inputs. Under A at (1, 2048, 16) the
+    # capture forks three streams (the deferred chunk cumsum on the second, the scan's ranges on the side stream,
+    # the consumer's ranges on main and second); at (1, 2048, 4) the scan splits; under R the reverse scan runs
+    # beside the forward scan
+    sched = _gpu_schedule(128, op, policy=policy)
+    x, y = (make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=s, gate_div=16.0)
+            for s in (1, 2))
+    (ax, kx), (ay, ky) = saved_for_backward(x, sched, policy), saved_for_backward(y, sched, policy)
+    scale = 128 ** -0.5
+    static = {**{n: t.clone() for n, t in x.items() if t is not None}, "A": ax.clone(),
+              **{n: (tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone()) for n, v in kx.items()}}
+
+    def bwd(d, A, kw):
+        return rewy_backward_triton_vector(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], A, d["do"],
+                                           d["dht"], scale=scale, initial_state=d["h0"], schedule=sched, **kw)
+
+    def static_call():
+        return bwd(static, static["A"], {n: static[n] for n in kx})
+
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static_call()  # compile outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = static_call()
+    for n, t in y.items():
+        if t is not None:
+            static[n].copy_(t)
+    static["A"].copy_(ay)
+    for n, v in ky.items():
+        for dst, src in zip(static[n] if isinstance(v, tuple) else (static[n],), v if isinstance(v, tuple) else (v,)):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = bwd(y, ay, ky)
+    for n, a, b in zip(NAMES, outs, eager):
+        if b is not None:
+            assert torch.equal(a, b), (op, B, T, H, policy, n)
+
+
 @BF16_ON_INTERPRETER
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 1000, 4), (1, 2048, 16), (1, 8192, 4)])
@@ -1190,12 +1403,14 @@ def test_gpu_scan_operands_forward_fla(op, B, T, H):
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7, gate_div=16.0)
     scale = 128 ** -0.5
     write = x["erase"] if op == "kda" else x["write"]  # FLA's KDA has one β
-    qg, kg = _fla_forward_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], write, x["h0"], scale, 64, "A",
-                                 True)[7]
+    qg, kg, gk = _fla_forward_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], write, x["h0"], scale, 64, "A",
+                                     True)[7]
     d = {n: (t.double() if t is not None else None) for n, t in x.items()}
     ref = chunk_forward(d["q"], d["k"], d["v"], d["g"], d["erase"], d["write"], scale=scale, save_states=True)
     for got, want in ((qg, ref.QG), (kg, ref.KG)):
         assert got.dtype == torch.bfloat16 and rel_rms(got.double(), want.double()) <= ORDINARY
+    # and its gate cumsum, in log2 units (the reverse scan's Γ_n = exp2 of its last rows)
+    assert gk.dtype == torch.float32 and rel_rms(gk.double(), ref.G * LOG2_E) <= 1e-5
 
     names = ("q", "k", "v", "g", "erase", "h0") + (("write",) if op == "gdn2" else ())
     leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
@@ -1315,7 +1530,7 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H, gate_div=16.0,
                     decay=decay)
     s = _gpu_schedule(128, op, policy=policy)
-    assert s.scan_operands == "pregated"
+    assert s.scan_operands in ("pregated", "forward")  # (policy A's default reads the forward's qg, kg: session 29)
     piped_depth = s.consumer_v_loop_stages
     s = s.replace(consumer_v_stages=1)
     monkeypatch.setattr(vl, "LAST_ROW_LOAD", False)
