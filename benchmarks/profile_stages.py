@@ -35,7 +35,6 @@ FLAG_VARIANTS = {
     "no-flags": ({"LAST_ROW_LOAD": False, "RANGE_FROM_OPERANDS": False}, {"consumer_v_stages": 1}),
     # session 30: the chunk cumsum in order before dv_local and the scan, against the default (beside them)
     "cumsum-in-order": ({"DEFER_GATE_CUMSUM": False}, {}),
-    "halves": ({"TRIANGULAR_HALVES": True}, {}),  # the centred products in row halves (3/4 of the FMAs)
 }
 
 

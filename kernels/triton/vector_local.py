@@ -88,10 +88,9 @@ RANGE_FROM_OPERANDS = True
 # consumer then reads, runs on a second stream beside dv_local and the scan instead of before them
 # (`pipeline._cumsum_beside`). Off: it runs first, in order (the scan still reads the forward's cumsum).
 DEFER_GATE_CUMSUM = True
-# TRIANGULAR_HALVES: the centred path's four slice products in the chunk's two row halves (`_centred_products_halves`):
-# H_< and D_< are strictly lower triangular, so a quarter of the whole-chunk products multiply exact zeros. The same
-# bits (those products only ever added zeros).
-TRIANGULAR_HALVES = False
+# (Session 30 timed the centred products in the chunk's row halves, leaving out the quarter of them that multiply
+# H_<'s and D_<'s exact zeros: the same bits, 1-3 % slower on the H200 (more shared-memory operand loads and
+# barriers); removed, the code is at commit 4d42cdb, benchmarks/RESULTS.md session 30.)
 
 
 @triton.jit
@@ -302,71 +301,6 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
     return m, tok, tok[:, None] * K + o_k[None, :], m[:, None] & m_k[None, :]
 
 
-@triton.jit
-def _stack_rows(top, bot):
-    """[R, N] above [R, N] -> [2R, N]."""
-    x = tl.permute(tl.join(top, bot), (2, 0, 1))  # [2, R, N]
-    return tl.reshape(x, (2 * top.shape[0], top.shape[1]))
-
-
-@triton.jit
-def _centred_products_halves(G, k, q, erase, hd, d_base, b_c, scale, n_rows, i_b, T, t0, H, i_h, o_k, m_k,
-                             K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                             HS: tl.constexpr, DS: tl.constexpr, ERASE_VEC: tl.constexpr, IPREC: tl.constexpr):
-    """The centred products U_q = H_< Y, U_e = D_< Y and U_y = H_<ᵀ(s Q α) + D_<ᵀ(E K α) (TRIANGULAR_HALVES), in the
-    chunk's two row halves. H_< and D_< are strictly lower triangular, so a slice J of the top half reaches the rows
-    of both halves of U_q and U_e but only the top rows of U_y, and a slice of the bottom half the bottom rows of U_q
-    and U_e and both halves of U_y: six [BT/2, BC] × [BC, BK] products per slice where the whole-chunk loop runs four
-    [BT, BC] × [BC, BK] ones, 3/4 of the FMAs. The products left out are those of exact zeros."""
-    HALF: tl.constexpr = BT // 2
-    NC: tl.constexpr = BT // BC
-    o_t = tl.arange(0, HALF)
-    o_b = HALF + o_t
-    m_t, tok_t, _, _ = _chunk_rows(o_t, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
-    m_b, tok_b, _, _ = _chunk_rows(o_b, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
-    b_uq_t = tl.zeros([HALF, BK], dtype=tl.float32)
-    b_uq_b = tl.zeros([HALF, BK], dtype=tl.float32)
-    b_ue_t = tl.zeros([HALF, BK], dtype=tl.float32)
-    b_ue_b = tl.zeros([HALF, BK], dtype=tl.float32)
-    b_uy_t = tl.zeros([HALF, BK], dtype=tl.float32)
-    b_uy_b = tl.zeros([HALF, BK], dtype=tl.float32)
-    for i_c in range(0, NC):
-        o_j = i_c * BC + tl.arange(0, BC)
-        m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
-        b_cj = tl.where(m_jk, tl.load(G + p_jk, mask=m_jk, other=0.0) - b_c[None, :], 0.0)
-        b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-        b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-        b_ej = _erase_rows(erase, tok_j, p_jk, m_jk, m_j, ERASE_VEC, BK)
-        b_aj = tl.exp(b_cj)
-        b_yj = b_kj * tl.exp(-b_cj)
-        b_sq = scale * b_qj * b_aj
-        b_ek = b_ej * b_kj * b_aj
-        # every slice: the bottom rows of U_q, U_e (H[i, J], i > j) and the top rows of U_y (Hᵀ[i, J] = H[J, i], i < j)
-        m_lo = (o_b[:, None] > o_j[None, :]) & m_b[:, None] & m_j[None, :]
-        b_hc = tl.load(hd + tok_b[:, None] * HS + o_j[None, :], mask=m_lo, other=0.0)
-        b_dc = tl.load(d_base + tok_b[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
-        m_up = (o_t[:, None] < o_j[None, :]) & m_t[:, None] & m_j[None, :]
-        b_hr = tl.load(hd + tok_j[None, :] * HS + o_t[:, None], mask=m_up, other=0.0)
-        b_dr = tl.load(d_base + tok_j[None, :] * DS + o_t[:, None], mask=m_up, other=0.0).to(tl.float32)
-        b_uq_b = tl.dot(b_hc, b_yj, b_uq_b, input_precision=IPREC)
-        b_ue_b = tl.dot(b_dc, b_yj, b_ue_b, input_precision=IPREC)
-        b_uy_t = tl.dot(b_hr, b_sq, b_uy_t, input_precision=IPREC)
-        b_uy_t = tl.dot(b_dr, b_ek, b_uy_t, input_precision=IPREC)
-        if i_c * BC < HALF:  # a slice of the top half: the top rows of U_q, U_e too
-            m_lo = (o_t[:, None] > o_j[None, :]) & m_t[:, None] & m_j[None, :]
-            b_hc = tl.load(hd + tok_t[:, None] * HS + o_j[None, :], mask=m_lo, other=0.0)
-            b_dc = tl.load(d_base + tok_t[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
-            b_uq_t = tl.dot(b_hc, b_yj, b_uq_t, input_precision=IPREC)
-            b_ue_t = tl.dot(b_dc, b_yj, b_ue_t, input_precision=IPREC)
-        else:  # of the bottom half: the bottom rows of U_y too
-            m_up = (o_b[:, None] < o_j[None, :]) & m_b[:, None] & m_j[None, :]
-            b_hr = tl.load(hd + tok_j[None, :] * HS + o_b[:, None], mask=m_up, other=0.0)
-            b_dr = tl.load(d_base + tok_j[None, :] * DS + o_b[:, None], mask=m_up, other=0.0).to(tl.float32)
-            b_uy_b = tl.dot(b_hr, b_sq, b_uy_b, input_precision=IPREC)
-            b_uy_b = tl.dot(b_dr, b_ek, b_uy_b, input_precision=IPREC)
-    return _stack_rows(b_uq_t, b_uq_b), _stack_rows(b_ue_t, b_ue_b), _stack_rows(b_uy_t, b_uy_b)
-
-
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange,
@@ -377,7 +311,7 @@ def rewy_bwd_kernel_consumer_vector(
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
     ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr, GN_LOAD: tl.constexpr,
-    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr, HALVES: tl.constexpr,
+    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr,
 ):
     # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
@@ -478,35 +412,30 @@ def rewy_bwd_kernel_consumer_vector(
         use_centred = _use_centred(delta, INTRA, MAX_RANGE)
         tl.store(paths + (i_bh * NT + i_t) * NK + i_k, tl.where(use_centred, 1, 2))
         if use_centred:
-            if HALVES:  # TRIANGULAR_HALVES: 3/4 of the FMAs
-                b_uq, b_ue, b_uy = _centred_products_halves(G, k, q, erase, hd, d_base, b_c, scale, n_rows, i_b, T,
-                                                            t0, H, i_h, o_k, m_k, K, BT, BC, BK, HS, DS, ERASE_VEC,
-                                                            IPREC)
-            else:
-                b_uq = tl.zeros([BT, BK], dtype=tl.float32)
-                b_ue = tl.zeros([BT, BK], dtype=tl.float32)
-                b_uy = tl.zeros([BT, BK], dtype=tl.float32)
-                for i_c in range(0, NC):  # inner dimension of the four products, BC rows at a time
-                    o_j = i_c * BC + tl.arange(0, BC)
-                    m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
-                    b_cj = tl.where(m_jk, tl.load(G + p_jk, mask=m_jk, other=0.0) - b_c[None, :], 0.0)
-                    b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-                    b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-                    b_ej = _erase_rows(erase, tok_j, p_jk, m_jk, m_j, ERASE_VEC, BK)
-                    b_aj = tl.exp(b_cj)
-                    b_yj = b_kj * tl.exp(-b_cj)
-                    # H[:, J], D[:, J] (columns J of every row) and Hᵀ[:, J], Dᵀ[:, J] (rows J, loaded transposed).
-                    m_col = m_row[:, None] & m_j[None, :]
-                    m_up = (o_i[:, None] < o_j[None, :]) & m_col
-                    m_lo = (o_i[:, None] > o_j[None, :]) & m_col
-                    b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_lo, other=0.0)
-                    b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
-                    b_hr = tl.load(hd + tok_j[None, :] * HS + o_i[:, None], mask=m_up, other=0.0)
-                    b_dr = tl.load(d_base + tok_j[None, :] * DS + o_i[:, None], mask=m_up, other=0.0).to(tl.float32)
-                    b_uq = tl.dot(b_hc, b_yj, b_uq, input_precision=IPREC)
-                    b_ue = tl.dot(b_dc, b_yj, b_ue, input_precision=IPREC)
-                    b_uy = tl.dot(b_hr, scale * b_qj * b_aj, b_uy, input_precision=IPREC)
-                    b_uy = tl.dot(b_dr, b_ej * b_kj * b_aj, b_uy, input_precision=IPREC)
+            b_uq = tl.zeros([BT, BK], dtype=tl.float32)
+            b_ue = tl.zeros([BT, BK], dtype=tl.float32)
+            b_uy = tl.zeros([BT, BK], dtype=tl.float32)
+            for i_c in range(0, NC):  # inner dimension of the four products, BC rows at a time
+                o_j = i_c * BC + tl.arange(0, BC)
+                m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
+                b_cj = tl.where(m_jk, tl.load(G + p_jk, mask=m_jk, other=0.0) - b_c[None, :], 0.0)
+                b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
+                b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
+                b_ej = _erase_rows(erase, tok_j, p_jk, m_jk, m_j, ERASE_VEC, BK)
+                b_aj = tl.exp(b_cj)
+                b_yj = b_kj * tl.exp(-b_cj)
+                # H[:, J], D[:, J] (columns J of every row) and Hᵀ[:, J], Dᵀ[:, J] (rows J, loaded transposed).
+                m_col = m_row[:, None] & m_j[None, :]
+                m_up = (o_i[:, None] < o_j[None, :]) & m_col
+                m_lo = (o_i[:, None] > o_j[None, :]) & m_col
+                b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_lo, other=0.0)
+                b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
+                b_hr = tl.load(hd + tok_j[None, :] * HS + o_i[:, None], mask=m_up, other=0.0)
+                b_dr = tl.load(d_base + tok_j[None, :] * DS + o_i[:, None], mask=m_up, other=0.0).to(tl.float32)
+                b_uq = tl.dot(b_hc, b_yj, b_uq, input_precision=IPREC)
+                b_ue = tl.dot(b_dc, b_yj, b_ue, input_precision=IPREC)
+                b_uy = tl.dot(b_hr, scale * b_qj * b_aj, b_uy, input_precision=IPREC)
+                b_uy = tl.dot(b_dr, b_ej * b_kj * b_aj, b_uy, input_precision=IPREC)
             b_cr = tl.where(m_rk, b_g - b_c[None, :], 0.0)
             b_xq = tl.exp(b_cr) * b_uq
             b_xe = tl.exp(b_cr) * b_ue
@@ -759,7 +688,7 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
             SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None,
-            VSTAGES=v_stages or num_stages, HALVES=TRIANGULAR_HALVES, num_warps=num_warps, num_stages=num_stages,
+            VSTAGES=v_stages or num_stages, num_warps=num_warps, num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)

@@ -284,14 +284,11 @@ def test_consumer_k_split_shared_scratch_bits(consumer, monkeypatch):
     ("LAST_ROW_LOAD", False, True, "GN_LOAD", "kda", "joint", 1),
     ("LAST_ROW_LOAD", False, True, "GN_LOAD", "gdn2", "separate", 2),
     ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "kda", "separate", 2),
-    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "gdn2", "joint", 1),
-    ("TRIANGULAR_HALVES", False, True, "HALVES", "kda", "separate", 1),
-    ("TRIANGULAR_HALVES", False, True, "HALVES", "gdn2", "joint", 2)])
+    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "gdn2", "joint", 1)])
 def test_consumer_flag_same_bits(flag, off, on, constexpr, op, consumer, k_split, monkeypatch):
     # The vector consumer's flags (vector_local.py) give the bits of the reductions they replace: LAST_ROW_LOAD loads
     # G's last chunk row instead of a column sum, RANGE_FROM_OPERANDS reads G's per-chunk max and min from the pregated
-    # operands' kernel instead of reducing the tile; TRIANGULAR_HALVES leaves out the centred products of exact zeros
-    # (the row halves H_< and D_< have none in). A tail chunk (T = 100: the last chunk's last row is 35, not C - 1),
+    # operands' kernel instead of reducing the tile. A tail chunk (T = 100: the last chunk's last row is 35, not C - 1),
     # a ragged K (48 in 16-wide tiles; k split 2: each program its own tiles), strong decay on half the channels (both
     # paths of the range guard run: asserted), and the oracle's gate, under both policies.
     from rewy_tune.kernels.triton import vector_local as vl
@@ -1553,32 +1550,6 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
     piped = run_triton(x, s, policy)
     assert_gates(piped, ref, ctx=f"gpu {op} {B},{T},{H} {policy} V loops at {s.consumer_v_stages} stages")
     assert_same_bits(run_triton(x, s, policy), piped, ctx="V loops pipelined, run twice")
-
-
-@BF16_ON_INTERPRETER
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["R", "A"])
-@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (1, 1000, 3)])
-@pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_triangular_halves(op, B, T, H, policy, monkeypatch):
-    # TRIANGULAR_HALVES (vector_local.py) on each policy's default: the oracle's gate and the same bits as the
-    # whole-chunk products (the products it leaves out only added exact zeros), at a bench shape and at a tail with
-    # strong decay on half the channels (both paths of the range guard run)
-    from rewy_tune.kernels.triton import vector_local as vl
-
-    decay = "mixed" if T == 1000 else "normal"
-    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H + 5, gate_div=16.0,
-                    decay=decay)
-    s = _gpu_schedule(128, op, policy=policy)
-    monkeypatch.setattr(vl, "TRIANGULAR_HALVES", False)
-    whole = run_triton(x, s, policy)
-    monkeypatch.setattr(vl, "TRIANGULAR_HALVES", True)
-    paths = {}
-    halves = run_triton(x, s, policy, paths=paths)
-    assert vl.PATH_CENTRED in path_set(paths)
-    ctx = f"gpu {op} {B},{T},{H} {policy} triangular halves"
-    assert_gates(halves, oracle(x, device="cuda"), ctx=ctx)
-    assert_same_bits(halves, whole, ctx=ctx + " vs whole-chunk products")
 
 
 @BF16_ON_INTERPRETER
