@@ -11,7 +11,6 @@ import os
 if not os.environ.get("REWY_TEST_NO_INTERPRET"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import contextlib
 import dataclasses
 import re
 
@@ -24,7 +23,9 @@ from rewy_tune.kernels.reference.rewy_backward import rewy_backward
 from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
 from rewy_tune.schedule import Schedule, StageConfig
 
+from cuda_graphs import capture
 from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
+from stand_in_streams import stand_in_streams
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
 BASE = Schedule(
@@ -429,41 +430,12 @@ IN_ORDER = ["recompute on main", "forward_scan on main", "dv_local on main", "re
 
 
 def _stand_in_streams(monkeypatch, log, *, caller_on_side=False):
-    """Stand-in CUDA streams for the pipeline's fork / join path on the interpreter (which has none): each wait and
-    the stream each stage launches on go to `log`. Returns the pipeline module."""
+    """`stand_in_streams` with the scalar path's stages logged and its side-stream mode as the schedule names it.
+    Returns the pipeline module."""
     from rewy_tune.kernels.triton import pipeline
 
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(f"{self.name} waits {other.name}")
-
-        def record_event(self):
-            log.append(f"{self.name} records")
-            return self.name
-
-        def wait_event(self, event):
-            log.append(f"{self.name} waits {event}'s event")
-
-    main, side, second = Stream("main"), Stream("side"), Stream("second")
-    current = [main]
-
-    @contextlib.contextmanager
-    def on(stream):
-        current.append(stream)
-        yield
-        current.pop()
-
-    def logged(name, fn):
-        return lambda *a, **kw: log.append(f"{name} on {current[-1].name}") or fn(*a, **kw)
-
+    logged = stand_in_streams(monkeypatch, pipeline, log, caller_on_side=caller_on_side)
     monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream)
-    monkeypatch.setattr(pipeline, "side_stream", lambda device: main if caller_on_side else side)
-    monkeypatch.setattr(pipeline, "chase_streams", lambda device: None if caller_on_side else (main, side, second))
-    monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
     for attr, name in (("run_dv_local", "dv_local"), ("recompute_wu", "recompute"),
                        ("forward_state_scan", "forward_scan"), ("reverse_state_scan", "reverse_scan"),
                        ("_scalar_consumer", "consumer"), ("query_side", "query_side")):
@@ -1123,15 +1095,7 @@ def test_gpu_cuda_graph_replay(consumer, stream):
                                     static["A"], static["do"], static["dht"], scale=scale, initial_state=static["h0"],
                                     schedule=s)
 
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        bwd()  # compile outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = bwd()
+    graph, outs = capture(bwd)
     for n, t in y.items():
         static[n].copy_(t)
     static["A"].copy_(fy.A)

@@ -28,7 +28,9 @@ from rewy_tune.kernels.triton.vector_local import (
 )
 from rewy_tune.schedule import Schedule, StageConfig
 
+from cuda_graphs import capture
 from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
+from stand_in_streams import stand_in_streams
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
 LOG2_E = 1.4426950408889634  # fla-core's gate cumsum is G·log2 e
@@ -693,7 +695,19 @@ def test_scan_qk_bad_inputs():
         call(scan_qk=fwd.QG)
     with pytest.raises(ValueError, match="scan_qk: the forward's gated q and k are per key channel"):
         call(g=x["g"][..., 0], scan_qk=(fwd.QG, fwd.KG))
+    gk = (fwd.G * LOG2_E).float()  # the forward's gate cumsum, in log2 units: fp32 only
+    with pytest.raises(ValueError, match=r"scan_qk's gk must be \[B,T,H,K\]=\(1, 64, 1, 32\) in fla-core's gate "
+                                         r"cumsum dtype torch.float32 .* got \(1, 64, 1, 32\) in torch.float16"):
+        call(scan_qk=(fwd.QG, fwd.KG, gk.half()))
+    with pytest.raises(TypeError, match=r"scan_qk must be a pair \(qg, kg\) or a triple \(qg, kg, gk\), got tuple "
+                                        r"of 4"):
+        call(scan_qk=(fwd.QG, fwd.KG, gk, gk))
     k = x["k"]
+    with pytest.raises(ValueError, match="gate_log2=True: only a pregated scan"):
+        scan.reverse_state_scan(k, k, k, gk, x["do"], None, None, scale=1.0, BK=32, BV=32, gate_log2=True)
+    with pytest.raises(TypeError, match="gate_log2 must be a bool"):
+        scan.reverse_state_scan(k, k, k, gk, x["do"], None, None, scale=1.0, BK=32, BV=32, pregated=True,
+                                gate_log2=1)
     with pytest.raises(ValueError, match="q_scaled=False describes a pregated Q_g"):
         scan.reverse_state_scan(k, k, k, fwd.G, x["do"], None, None, scale=1.0, BK=32, BV=32, q_scaled=False)
     with pytest.raises(TypeError, match="q_scaled must be a bool"):
@@ -762,41 +776,10 @@ def test_deferred_cumsum_runs_beside_the_scan(ranges, monkeypatch):
 
 
 def _stand_in_streams_vector(monkeypatch, log):
-    """Stand-in CUDA streams for the vector path's forks (`test_triton_scalar._stand_in_streams`' kind): each wait,
-    each event and the stream each stage launches on go to `log`."""
-    import contextlib
-
+    """`stand_in_streams` with the vector path's stages logged."""
     from rewy_tune.kernels.triton import pipeline, vector_local
 
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(f"{self.name} waits {other.name}")
-
-        def record_event(self):
-            log.append(f"{self.name} records")
-            return self.name
-
-        def wait_event(self, event):
-            log.append(f"{self.name} waits {event}'s event")
-
-    main, side, second = Stream("main"), Stream("side"), Stream("second")
-    current = [main]
-
-    @contextlib.contextmanager
-    def on(stream):
-        current.append(stream)
-        yield
-        current.pop()
-
-    def logged(name, fn):
-        return lambda *a, **kw: log.append(f"{name} on {current[-1].name}") or fn(*a, **kw)
-
-    monkeypatch.setattr(pipeline, "chase_streams", lambda device: (main, side, second))
-    monkeypatch.setattr(pipeline.torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(pipeline.torch.cuda, "stream", on)
+    logged = stand_in_streams(monkeypatch, pipeline, log)
     for module, attr, name in ((pipeline, "chunk_cumsum", "cumsum"), (vector_local, "dv_local_aqk", "dv_local"),
                                (pipeline, "reverse_state_scan", "reverse_scan"),
                                (pipeline, "reverse_state_scan_ranges", "reverse_scan"),
@@ -804,43 +787,8 @@ def _stand_in_streams_vector(monkeypatch, log):
         monkeypatch.setattr(module, attr, logged(name, getattr(module, attr)))
 
 
-def test_scan_gate_cumsum_bad_inputs():
-    from rewy_tune.kernels.triton import scan
-    from rewy_tune.kernels.triton.cumsum import chunk_cumsum
-    from rewy_tune.kernels.triton.pipeline import rewy_backward_triton
-
-    x = make_inputs("kda", 1, 64, 1, 32, 32, seed=3)
-    f = {n: (t.float() if t is not None else None) for n, t in x.items()}
-    fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=0.2, chunk_size=32,
-                        save_states=True)
-    sched = BASE.replace(chunk_size=32, scan_operands="forward")
-    gk = (fwd.G * LOG2_E).float()
-    with pytest.raises(ValueError, match=r"scan_qk's gk must be \[B,T,H,K\]=\(1, 64, 1, 32\) in fla-core's gate "
-                                         r"cumsum dtype torch.float32 .* got \(1, 64, 1, 32\) in torch.float16"):
-        rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"], None,
-                             scale=0.2, initial_state=None, schedule=sched, S0=fwd.S0, R=fwd.R,
-                             scan_qk=(fwd.QG, fwd.KG, gk.half()))
-    with pytest.raises(TypeError, match=r"scan_qk must be a pair \(qg, kg\) or a triple \(qg, kg, gk\), got tuple "
-                                        r"of 4"):
-        rewy_backward_triton(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"], None,
-                             scale=0.2, initial_state=None, schedule=sched, S0=fwd.S0, R=fwd.R,
-                             scan_qk=(fwd.QG, fwd.KG, gk, gk))
-    k = x["k"]
-    with pytest.raises(ValueError, match="gate_log2=True: only a pregated scan"):
-        scan.reverse_state_scan(k, k, k, gk, x["do"], None, None, scale=1.0, BK=32, BV=32, gate_log2=True)
-    with pytest.raises(TypeError, match="gate_log2 must be a bool"):
-        scan.reverse_state_scan(k, k, k, gk, x["do"], None, None, scale=1.0, BK=32, BV=32, pregated=True,
-                                gate_log2=1)
-    with pytest.raises(ValueError, match=r"out must be a contiguous float32 \(1, 64, 1, 32\)"):
-        chunk_cumsum(x["g"], chunk_size=32, out=torch.empty(1, 64, 1, 16))
-    with pytest.raises(ValueError, match=r"range_out must be a contiguous float32 \(1, 2, 1, 2, 32\)"):
-        chunk_cumsum(x["g"], chunk_size=32, with_range=True, range_out=torch.empty(1, 2, 1, 2, 32).double())
-    with pytest.raises(ValueError, match="range_out: pass with_range=True"):
-        chunk_cumsum(x["g"], chunk_size=32, range_out=torch.empty(1, 2, 1, 2, 32))
-
-
 def test_cumsum_into_given_buffers():
-    # out= / range_out=: the same bits as new buffers, written in place
+    # out= / range_out=: the same bits as new buffers, written in place; buffers of another shape or dtype refused
     from rewy_tune.kernels.triton.cumsum import chunk_cumsum
 
     x = make_inputs("gdn2", 1, 100, 2, 32, 32, seed=5)
@@ -848,6 +796,12 @@ def test_cumsum_into_given_buffers():
     out, rout = torch.full_like(G, float("nan")), torch.full_like(r, float("nan"))
     G2, r2 = chunk_cumsum(x["g"], chunk_size=32, BK=16, with_range=True, out=out, range_out=rout)
     assert G2 is out and r2 is rout and torch.equal(G, out) and torch.equal(r, rout)
+    with pytest.raises(ValueError, match=r"out must be a contiguous float32 \(1, 100, 2, 32\)"):
+        chunk_cumsum(x["g"], chunk_size=32, out=torch.empty(1, 100, 2, 16))
+    with pytest.raises(ValueError, match=r"range_out must be a contiguous float32 \(1, 4, 2, 2, 32\)"):
+        chunk_cumsum(x["g"], chunk_size=32, with_range=True, range_out=r.double())
+    with pytest.raises(ValueError, match="range_out: pass with_range=True"):
+        chunk_cumsum(x["g"], chunk_size=32, range_out=r)
 
 
 @pytest.mark.parametrize("consumer", ["joint", "separate"])
@@ -1366,15 +1320,7 @@ def test_gpu_cuda_graph_replay(op, B, T, H, policy):
     def static_call():
         return bwd(static, static["A"], {n: static[n] for n in kx})
 
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        static_call()  # compile outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = static_call()
+    graph, outs = capture(static_call)
     for n, t in y.items():
         if t is not None:
             static[n].copy_(t)
