@@ -22,8 +22,9 @@ Forward:
   ``ChunkForward.Aqk`` in the same convention), which FLA's own backward keeps as well; dv_local then reads it
   instead of recomputing A_qk. Otherwise it is dropped as before. Under policy A with ``schedule.scan_operands ==
   "forward"`` they also keep qg = Q ⊙ exp(G) and kg = K ⊙ exp(G_n − G) (out[7], out[8], input dtype; on CPU the
-  reference's ``QG``, ``KG``), which fla-core's save-all keeps for its own backward: the reverse scan reads them,
-  and the backward runs no scan-operands stage.
+  reference's ``QG``, ``KG``) and fla-core's gate cumsum G·log2 e (out[2], fp32; on CPU the reference's G·log2 e),
+  which fla-core's save-all keeps for its own backward: the reverse scan reads them, the backward runs no
+  scan-operands stage, and its chunk cumsum runs beside the scan (`pipeline._cumsum_beside`).
 
 Backward: `rewy_backward_triton` with the given Schedule (default: `search_spaces.default_schedule` for the
 device's compute capability).
