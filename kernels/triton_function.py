@@ -86,8 +86,9 @@ def _v_first(state):
 def _fla_forward_vector(q, k, v, g, erase, write, initial_state, scale, chunk_size, policy, output_final_state,
                         gate=None):
     """KDA (erase is write, [B,T,H]) / GDN2 (b [B,T,H,K], w [B,T,H,V]) through fla-core's chunk_kda_fwd /
-    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk, W = w, (qg, kg)); policy A uses their
-    disable_recompute path, which keeps h, v_new, w, qg and kg (policy R: None for the four). Aqk (out[3]) is FLA's
+    chunk_gdn2_fwd. Returns (o, final_state, A = Akk, S0 = h, R = v_new, Aqk, W = w, (qg, kg, gk)), gk the gate's
+    chunk cumsum in log2 units; policy A uses their disable_recompute path, which keeps h, v_new, w, qg, kg and gk
+    (policy R: None for the four). Aqk (out[3]) is FLA's
     A_qk: see kernels/triton/vector_local.py (dv_local_aqk) for its convention. gate (a GateActivation): g is the
     raw gate input, activated by FLA's fused gate-and-cumsum kernel (its use_gate_in_kernel).
     Under policy R the state scan runs V-first (V_FIRST_VECTOR), as FLA's layers run it: in the KDA model step it

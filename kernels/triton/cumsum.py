@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .gate import GateActivation, activate, gate_params
 from .recompute import validate_chunk_size, validate_launch, validate_tile
-from .vector_local import chunk_max_min
+from .vector_local import chunk_max_min, gate_range_shape
 
 
 @triton.jit(do_not_specialize=["T", "H"])
@@ -85,7 +85,7 @@ def chunk_cumsum(g: torch.Tensor, *, chunk_size: int = 64, BK: int = 64, num_war
     if range_out is not None and not with_range:
         raise ValueError("range_out: pass with_range=True with it")
     y = _buffer(out, "out", g.shape, g.device)
-    grange = _buffer(range_out, "range_out", (B, NT, H, 2, K), g.device) if with_range else None
+    grange = _buffer(range_out, "range_out", gate_range_shape(g.shape, chunk_size), g.device) if with_range else None
     grid = (NK, NT, B * H)
     A_log, dt_bias = (gate.A_log, gate.dt_bias) if gate is not None else (None, None)
     lower = gate is not None and gate.lower_bound is not None

@@ -338,11 +338,11 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     stream's reverse scan; the consumer then takes dq=, gbq=. Inputs are checked by the caller, but for W (policy A's
     forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
     scan_qk (vector gates, Schedule.scan_operands "forward"): (qg, kg), fla-core's saved Q ⊙ exp(G) and
-    K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t. A triple
-    (qg, kg, gk) adds fla-core's own chunk cumsum gk = G·log2 e (fp32, its save-all keeps it): the reverse scan then
-    reads Γ_n from it, and where dv_local does not read G either (dv_local_reads_gate False: A_qk from the forward)
-    the backward's chunk cumsum runs on a second stream beside dv_local and the scan (`_cumsum_beside`), off the
-    path to the scan's first step; the consumer waits for it.
+    K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t. A
+    triple (qg, kg, gk) adds fla-core's own chunk cumsum gk = G·log2 e (fp32, its save-all keeps it): the reverse
+    scan then reads Γ_n from it, and where dv_local does not read G either (dv_local_reads_gate False: A_qk from the
+    forward) the backward's chunk cumsum runs on a second stream beside dv_local and the scan (`_cumsum_beside`),
+    off the path to the scan's first step; the consumer waits for it.
     """
     if W is not None:
         if S0 is None:
@@ -375,8 +375,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             # only the consumer reads G: the cumsum runs beside dv_local and the scan (below)
             G = torch.empty(g.shape, dtype=torch.float32, device=g.device)
             if want_range:
-                gate_range = torch.empty(g.shape[0], triton.cdiv(g.shape[1], C), g.shape[2], 2, g.shape[3],
-                                         dtype=torch.float32, device=g.device)
+                gate_range = torch.empty(vector_local.gate_range_shape(g.shape, C), dtype=torch.float32,
+                                         device=g.device)
             cumsum_later = dict(cumsum_args, out=G, range_out=gate_range)
         else:
             G = chunk_cumsum(g, **cumsum_args)
@@ -488,7 +488,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range
         else:
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
-    del dvl, W, scan_q, scan_k, scan_qk, scan_gk, G_scan  # (chunk ranges: the scan's launches hold them until the last range has run)
+    # (chunk ranges: the scan's launches hold them until the last range has run)
+    del dvl, W, scan_q, scan_k, scan_qk, scan_gk, G_scan
     if gate_made is not None:  # the deferred cumsum's G and gate range
         torch.cuda.current_stream(k.device).wait_event(gate_made)
 

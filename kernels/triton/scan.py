@@ -169,11 +169,11 @@ def _bwd_k_dot(acc, k, G, tok, tok_last, m_row, b_ds, i_kb: tl.constexpr, K: tl.
 @triton.jit
 def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, i_kb: tl.constexpr,
                       K: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
-                      G_LOG2: tl.constexpr = False):
+                      G_LOG2: tl.constexpr):
     # dS[block] ← Γ_n dS[block] + Q_g[:, block]ᵀ dO − W[:, block]ᵀ R̄, Q_gᵀ and Wᵀ loaded transposed.
     # b_dod: dO (scalar gate / no gate: rows already scaled by s·exp(G)); b_nrb = −R̄ (input dtype).
-    # GATE 3 (vector, pregated): q is Q_g = s·Q ⊙ exp(G) already (`scan_operands.py`), only Γ_n is left; GATE 4: q is
-    # Q ⊙ exp(G) (fla-core's qg) and b_dod carries s. G_LOG2 (GATE ≥ 3 only): G is fla-core's own chunk cumsum in
+    # GATE 3 (vector, pregated): q is Q_g = s·Q ⊙ exp(G) already (`scan_operands.py`), only Γ_n is left; GATE 4: q
+    # is Q ⊙ exp(G) (fla-core's qg) and b_dod carries s. G_LOG2 (GATE ≥ 3 only): G is fla-core's own chunk cumsum in
     # log2 units (G·log2 e), so Γ_n = exp2(G_n): the scan need not wait for the backward's chunk cumsum.
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K

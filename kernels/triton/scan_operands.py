@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .recompute import GATE_VECTOR, gate_kind, validate_chunk_size, validate_launch, validate_tile
-from .vector_local import chunk_max_min
+from .vector_local import chunk_max_min, gate_range_shape
 
 
 @triton.jit(do_not_specialize=["T", "H"])
@@ -86,7 +86,8 @@ def gated_scan_operands(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, *, sc
     q, k, G = q.contiguous(), k.contiguous(), G.contiguous()
     qg, kt = torch.empty_like(q), torch.empty_like(k)
     NT = triton.cdiv(T, chunk_size)
-    grange = torch.empty(B, NT, H, 2, K, dtype=torch.float32, device=G.device) if with_range else None
+    grange = (torch.empty(gate_range_shape(G.shape, chunk_size), dtype=torch.float32, device=G.device)
+              if with_range else None)
     grid = (NT, B * H, triton.cdiv(K, BK))
     rewy_scan_operands_kernel[grid](q, k, G, qg, kt, grange if with_range else G, T, scale, H, K=K, BT=chunk_size,
                                     BK=BK, RANGE=with_range, num_warps=num_warps)

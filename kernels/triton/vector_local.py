@@ -83,14 +83,21 @@ NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the 
 # they replace run (tests/kernels/test_triton_vector.py::test_consumer_flag_same_bits).
 LAST_ROW_LOAD = True
 RANGE_FROM_OPERANDS = True
-# DEFER_GATE_CUMSUM (policy A, Schedule.scan_operands "forward", A_qk from the forward): the reverse scan reads Γ_n from
-# fla-core's own gate cumsum (log2 units, kept by its save-all forward), so the backward's chunk cumsum, which only the
-# consumer then reads, runs on a second stream beside dv_local and the scan instead of before them
+# DEFER_GATE_CUMSUM (policy A, Schedule.scan_operands "forward", A_qk from the forward): the reverse scan reads Γ_n
+# from fla-core's own gate cumsum (log2 units, kept by its save-all forward), so the backward's chunk cumsum, which
+# only the consumer then reads, runs on a second stream beside dv_local and the scan instead of before them
 # (`pipeline._cumsum_beside`). Off: it runs first, in order (the scan still reads the forward's cumsum).
 DEFER_GATE_CUMSUM = True
 # (Session 30 timed the centred products in the chunk's row halves, leaving out the quarter of them that multiply
 # H_<'s and D_<'s exact zeros: the same bits, 1-3 % slower on the H200 (more shared-memory operand loads and
 # barriers); removed, the code is at commit 4d42cdb, benchmarks/RESULTS.md session 30.)
+
+
+def gate_range_shape(shape, chunk_size: int) -> tuple[int, int, int, int, int]:
+    """[B, NT, H, 2, K] of the consumer's gate range for a vector gate of `shape` [B,T,H,K] (fp32): per chunk and key
+    channel, G's maximum ([..., 0, :]) and minimum ([..., 1, :]) over the chunk's valid rows (`chunk_max_min`)."""
+    B, T, H, K = shape
+    return B, triton.cdiv(T, chunk_size), H, 2, K
 
 
 @triton.jit

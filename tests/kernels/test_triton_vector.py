@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from rewy_tune.gates import poison_allocations
 from rewy_tune.kernels.reference.chunk_forward import chunk_forward
 from rewy_tune.kernels.reference.rewy_backward import rewy_backward
+from rewy_tune.kernels.triton_function import LOG2_E  # fla-core's gate cumsum is G·log2 e
 from rewy_tune.kernels.triton.vector_local import (
     PATH_CENTRED,
     PATH_SUBCHUNK,
@@ -33,7 +34,6 @@ from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, assert_same_bits, 
 from stand_in_streams import stand_in_streams
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
-LOG2_E = 1.4426950408889634  # fla-core's gate cumsum is G·log2 e
 BASE = Schedule(
     recompute=StageConfig(32, 32, 4, 2), forward_scan=StageConfig(32, 32, 4, 2),
     dv_local=StageConfig(32, 32, 4, 2), reverse_scan=StageConfig(32, 32, 4, 2),
