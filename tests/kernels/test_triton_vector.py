@@ -595,22 +595,16 @@ def test_cumsum_gate_range():
 
 def _run_scan_qk(x, schedule, scan_qk=True, gate_cumsum=None):
     """Policy A through the Triton backward with the reference forward's gated q and k (fla-core's qg, kg
-    convention) as scan_qk, g passed and no G, as the autograd Function calls it. gate_cumsum: "log2" adds the
-    forward's gate cumsum in fla-core's log2 units as scan_qk's third tensor ("natural": in the wrong units, G itself).
-    With dv_local_source "forward" the forward's A_qk is passed too."""
-    scale = x["q"].shape[-1] ** -0.5
-    f = {n: (t.float() if t is not None else None) for n, t in x.items()}
-    fwd = chunk_forward(f["q"], f["k"], f["v"], f["g"], f["erase"], f["write"], scale=scale, initial_state=x["h0"],
-                        chunk_size=schedule.chunk_size, save_states=True)
-    kw = dict(S0=fwd.S0, R=fwd.R.to(x["q"].dtype))
+    convention) as scan_qk, g passed and no G, as the autograd Function calls it (`saved_for_backward`). gate_cumsum:
+    "log2" adds the forward's gate cumsum in fla-core's log2 units as scan_qk's third tensor ("natural": in the wrong
+    units, G itself); None passes the pair. scan_qk False: nothing of the forward's, the backward gates K and Q."""
+    A, kw = saved_for_backward(x, schedule.replace(scan_operands="forward"), "A")
+    qg, kg, gk = kw.pop("scan_qk")
     if scan_qk:
-        kw["scan_qk"] = (fwd.QG, fwd.KG)
-        if gate_cumsum is not None:
-            kw["scan_qk"] += ((fwd.G * LOG2_E if gate_cumsum == "log2" else fwd.G).float(),)
-    if schedule.dv_local_source == "forward":
-        kw["Aqk"] = unwritten_upper(fwd.Aqk.to(x["q"].dtype))
-    out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"],
-                                      x["dht"], scale=scale, initial_state=x["h0"], schedule=schedule, **kw)
+        kw["scan_qk"] = (qg, kg) + (() if gate_cumsum is None else (gk if gate_cumsum == "log2" else gk / LOG2_E,))
+    out = rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], A, x["do"],
+                                      x["dht"], scale=x["q"].shape[-1] ** -0.5, initial_state=x["h0"],
+                                      schedule=schedule, **kw)
     return dict(zip(NAMES, out))
 
 
