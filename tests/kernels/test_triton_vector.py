@@ -781,6 +781,137 @@ def _stand_in_streams_vector(monkeypatch, log):
         monkeypatch.setattr(module, attr, logged(name, getattr(module, attr)))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Schedule.dq_stage "separate": the consumer's query side as its own stage (`query_side_vector`)
+
+
+@pytest.mark.parametrize("policy,consumer,decay,split", [
+    ("R", "joint", "normal", 1), ("A", "joint", "mixed", 2), ("A", "separate", "strong", 1),
+    ("R", "separate", "mixed", 2)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_query_side_stage(op, policy, consumer, decay, split, monkeypatch):
+    # the terms of H = dO Rᵀ (dq, and parts of dk and Ḡ) from their own stage, the rest in the consumer, which adds
+    # the parts: the fp64 oracle's gates on a tail, an initial state, centred, mixed and sub-chunk tiles, one and two
+    # programs per chunk, joint and separate consumers; the consumer's dq is the query side's
+    from rewy_tune.kernels.triton import vector_local
+
+    made, given = [], []
+    real_query, real_consumer = vector_local.query_side_vector, vector_local.consumer_vector
+
+    def query(*a, **kw):
+        made.append(real_query(*a, **kw))
+        return made[-1]
+
+    def spy_consumer(*a, **kw):
+        given.append(kw.get("query_part"))
+        return real_consumer(*a, **kw)
+
+    monkeypatch.setattr(vector_local, "query_side_vector", query)
+    monkeypatch.setattr(vector_local, "consumer_vector", spy_consumer)
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=71, decay=decay)
+    paths = {}
+    sched = BASE.replace(dq_stage="separate", consumer=consumer, consumer_k_split=split,
+                         consumer_cfg={"block_k": 16 if split == 2 else 32})
+    out = run_triton(x, sched, policy, paths)
+    assert len(made) == 1 and given == [made[0]]
+    assert out["dq"] is made[0][0]
+    want = {"normal": {PATH_CENTRED}, "mixed": {PATH_CENTRED, PATH_SUBCHUNK}, "strong": {PATH_SUBCHUNK}}[decay]
+    assert path_set(paths) == want
+    assert_gates(out, oracle(x), ctx=f"{op} {policy} {consumer} {decay} split {split}: query side apart")
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_query_side_parts_carry_the_query_terms(op, monkeypatch):
+    # the consumer must add both parts: with either one zeroed, dk or dg fails the gate (so the parts are read)
+    from rewy_tune.kernels.triton import vector_local
+
+    x = make_inputs(op, 1, 64, 2, 32, 32, seed=73)
+    real = vector_local.query_side_vector
+    ref = oracle(x)
+    for part, grad in ((1, "dk"), (2, "dg")):
+        def zeroed(*a, **kw):
+            made = real(*a, **kw)
+            made[part].zero_()
+            return made
+
+        monkeypatch.setattr(vector_local, "query_side_vector", zeroed)
+        out = run_triton(x, BASE.replace(dq_stage="separate"), "A")
+        assert rel_rms(out[grad], ref[grad]) > 0.05, (part, grad)
+
+
+def test_query_side_persistent_grid_same_bits():
+    # programs=N: N programs take every N-th (chunk, batch·head, part); the same bits as one program per item
+    from rewy_tune.kernels.triton.cumsum import chunk_cumsum
+    from rewy_tune.kernels.triton.vector_local import query_side_vector
+
+    x = make_inputs("gdn2", 2, 100, 2, 32, 32, seed=75)
+    sched = BASE.replace(chunk_size=32)
+    A, kw = saved_for_backward(x, sched, "A")
+    G, rng = chunk_cumsum(x["g"], chunk_size=32, BK=16, with_range=True)
+    args = (x["q"], x["k"], G, kw["R"], kw["S0"], x["do"])
+    opts = dict(scale=32 ** -0.5, chunk_size=32, BK=16, BV=16, k_split=2, gate_range=rng)
+    one = query_side_vector(*args, **opts)
+    for programs in (3, 16, 1000):  # fewer programs than items, as many, more
+        got = query_side_vector(*args, **opts, programs=programs)
+        for a, b in zip(one[:3], got[:3]):
+            assert torch.equal(a, b), programs
+        assert torch.equal(one[3][..., :32], got[3][..., :32]), programs  # H_< (the consumer writes D's half)
+
+
+def test_query_side_bad_inputs():
+    from rewy_tune.kernels.triton.vector_local import _checked_query_part, query_side_vector
+
+    x = make_inputs("kda", 1, 64, 2, 32, 32, seed=77)
+    A, kw = saved_for_backward(x, BASE, "A")
+    G = kw["G"].float()
+    args = (x["q"], x["k"], G, kw["R"], kw["S0"], x["do"])
+    with pytest.raises(ValueError, match="programs must be a positive int or None, got 0"):
+        query_side_vector(*args, scale=1.0, chunk_size=64, BK=32, BV=32, programs=0)
+    with pytest.raises(ValueError, match=r"do must be \[B,T,H,V\]=\(1, 64, 2, 32\)"):
+        query_side_vector(x["q"], x["k"], G, kw["R"], kw["S0"], x["do"][..., :16], scale=1.0, chunk_size=64)
+    part = query_side_vector(*args, scale=1.0, chunk_size=64, BK=32, BV=32)
+    with pytest.raises(TypeError, match="query_part must be query_side_vector's"):
+        _checked_query_part(part[:3], x["q"], 64)
+    with pytest.raises(ValueError, match=r"query_part's dk_part must be a contiguous torch.float32 \(1, 64, 2, 32\)"):
+        _checked_query_part((part[0], part[1].half(), part[2], part[3]), x["q"], 64)
+    with pytest.raises(ValueError, match=r"query_part's hd must be a contiguous torch.float32 \(1, 1, 64, 2, 64\)"):
+        _checked_query_part(part, x["q"], 32)
+
+
+@pytest.mark.parametrize("policy", ["R", "A"])
+def test_query_side_stage_runs_beside_the_reverse_scan_vector(policy, monkeypatch):
+    # on the main stream while the side stream runs dv_local and the reverse scan: under A after the deferred cumsum
+    # (it reads G), with a grid of the consumer's CTA slots less the scan's programs; the consumer after the join
+    from rewy_tune.kernels.triton import local, pipeline, vector_local
+
+    log, grids = [], []
+    _stand_in_streams_vector(monkeypatch, log)
+    monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream)
+    for module, attr, name in ((pipeline, "recompute_wu", "recompute"), (pipeline, "forward_state_scan",
+                                                                          "forward_scan")):
+        monkeypatch.setattr(module, attr, (lambda logged_name, fn: lambda *a, **kw: log.append(
+            f"{logged_name} on ?") or fn(*a, **kw))(name, getattr(module, attr)))
+    real = vector_local.query_side_vector
+    monkeypatch.setattr(vector_local, "query_side_vector",
+                        lambda *a, **kw: grids.append(kw["programs"]) or log.append("query_side") or real(*a, **kw))
+    x = make_inputs("gdn2", 1, 100, 2, 32, 32, seed=79)
+    sched = BASE.replace(chunk_size=32, scan_operands="forward", w_source="forward", dv_local_source="forward",
+                         side_stream="reverse_scan", dq_stage="separate", reverse_scan_segments=2)
+    out = _run_scan_qk(x, sched, gate_cumsum="log2") if policy == "A" else run_triton(x, sched, "R")
+    assert_gates(out, oracle(x, C=32), ctx=f"query side beside the reverse scan, {policy}")
+    # the scan's grid: B·H · V/BV · segments (the split limit halved beside the query side: 8 SMs here)
+    scan_programs = 2 * 1 * 2
+    assert grids == [local.consumer_slots(4, x["q"].device) - scan_programs]
+    if policy == "A":
+        assert log == ["second waits main", "cumsum on second", "second records", "side waits main",
+                       "dv_local on side", "side waits main", "reverse_scan on side", "main waits second's event",
+                       "query_side", "main waits side", "consumer on main"]
+    else:
+        assert log == ["cumsum on main", "side waits main", "dv_local on side", "recompute on ?", "side waits main",
+                       "reverse_scan on side", "forward_scan on ?", "query_side", "main waits side",
+                       "consumer on main"]
+
+
 def test_cumsum_into_given_buffers():
     # out= / range_out=: the same bits as new buffers, written in place; buffers of another shape or dtype refused
     from rewy_tune.kernels.triton.cumsum import chunk_cumsum
