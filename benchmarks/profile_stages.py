@@ -173,9 +173,6 @@ def variants_for(op: str, base):
         out["qk-forward"] = base.replace(scan_operands="forward")
         out["dvl-aqk-64"] = base.replace(dv_local={"block_v": 64, "num_warps": 4})
         out["qk-forward-dvl-aqk-64"] = out["qk-forward"].replace(dv_local={"block_v": 64, "num_warps": 4})
-        # session 31: the consumer's query side (H = dO Rᵀ's terms, which read no output of the reverse scan) as its
-        # own stage beside the reverse scan (Schedule.dq_stage "separate"; no consumer ranges then)
-        out["dq-separate"] = base.replace(dq_stage="separate")
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:

@@ -203,12 +203,7 @@ def _chunk_prologue(T, H, BT: tl.constexpr, c_off):
     fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector) and the vector dv_local. In the
     vector consumer it only moves registers around: sm_90 stack KDA 176 → 168 B, GDN2 312 → 344 B (session 13, not
     timed). c_off: the first chunk of the launch's grid (joint_tma launched a chunk range at a time)."""
-    return _chunk_at(tl.program_id(0) + c_off, tl.program_id(1), T, H, BT)
-
-
-@triton.jit
-def _chunk_at(i_t, i_bh, T, H, BT: tl.constexpr):
-    """`_chunk_prologue` of chunk i_t, batch·head i_bh given as values (a persistent program's work item)."""
+    i_t, i_bh = tl.program_id(0) + c_off, tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
     o_i = tl.arange(0, BT)

@@ -40,7 +40,6 @@ from . import vector_local  # its flags: RANGE_FROM_OPERANDS (vector_local impor
 from .consumer_tma import consumer_tma, tma_supported
 from .cumsum import chunk_cumsum
 from .local import consumer as run_consumer
-from .local import consumer_slots
 from .local import dv_local as run_dv_local
 from .local import producer as run_producer
 from .query_side import query_side
@@ -305,20 +304,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def query_side_programs(k, G_scan, V: int, schedule: Schedule, split_limit: int, num_warps: int) -> int | None:
-    """Grid of the vector query side beside the reverse scan (`vector_local.query_side_vector(programs=)`): the
-    consumer CTAs a wave holds less the scan's programs (one CTA per SM each), so that query-side programs that
-    start first leave the scan its SMs; None (one program per work item) where that leaves fewer than a quarter."""
-    rs = schedule.reverse_scan
-    B, _, H, _ = k.shape
-    segments = reverse_scan_segment_count(k, G_scan, V, chunk_size=schedule.chunk_size, BV=rs.block_v,
-                                          num_segments=schedule.reverse_scan_segments,
-                                          split_max_programs=split_limit)
-    slots = consumer_slots(num_warps, k.device)
-    left = slots - triton.cdiv(V, rs.block_v) * B * H * segments
-    return left if left >= slots // 4 else None
-
-
 def _check_scan_qk(scan_qk, k, G, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(qg, kg, gk) as given for ``run_stages(scan_qk=...)``: [B,T,H,K] tensors qg, kg in k's dtype on its device, for a
     vector gate g whose G the cumsum forms here (it also writes the gate range the consumer's guard reads), and
@@ -472,15 +457,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         del U
         if query_side is not None:  # reads S0, R, never the reverse scan's outputs: beside it on the main stream
             cc = sc.consumer_cfg
-            beside = {}
-            if vector:  # and G: the deferred cumsum first (it ran beside dv_local)
-                if gate_made is not None:
-                    torch.cuda.current_stream(k.device).wait_event(gate_made)
-                    gate_made = None
-                beside = dict(gate_range=gate_range, programs=query_side_programs(
-                    k, G_scan, v.shape[-1], sc, split_limit, cc.num_warps) if side is not None else None)
             dq_made = query_side(q, k, R, S0, G, do, scale=scale, chunk_size=C, BK=cc.block_k, BV=cc.block_v,
-                                 num_warps=cc.num_warps, num_stages=cc.num_stages, **beside)
+                                 num_warps=cc.num_warps, num_stages=cc.num_stages)
     finally:
         if side is not None:
             main.wait_stream(side)  # join: the reverse scan (or, after it, the consumer) reads the side's results
@@ -521,7 +499,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
                             num_stages=pr.num_stages, pd_dtype=_dtype_of("pd_dtype", sc.pd_dtype, q.dtype))
     cc = sc.consumer_cfg
-    given = {} if dq_made is None else dq_made if isinstance(dq_made, dict) else {"dq": dq_made[0], "gbq": dq_made[1]}
+    given = {} if dq_made is None else {"dq": dq_made[0], "gbq": dq_made[1]}
     if ranges is not None:
         given.update(chunk_ranges=ranges, dv_out=dv_out)
     if gate_range is not None:

@@ -41,7 +41,7 @@ import triton.language as tl
 from rewy_tune.schedule import CONSUMER_V_STAGES, INTRA_PRECISIONS, Schedule
 
 from .gate import gate_backward
-from .local import (_chunk_at, _chunk_prologue, _output_like, checked_ranges, consumer_slots, is_v_first, output_buffer,
+from .local import (_chunk_prologue, _output_like, checked_ranges, consumer_slots, is_v_first, output_buffer,
                     programs_per_chunk, sum_row_parts)
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
@@ -308,62 +308,26 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
     return m, tok, tok[:, None] * K + o_k[None, :], m[:, None] & m_k[None, :]
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off", "n_bh", "n_work"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_vector(
-    q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange, qpart,
+    q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange,
     dq, dk, dv, hd, dg, derase, dwrite, paths,
-    T, NT, scale, n_tok, c_off, n_bh, n_work,
+    T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
     ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr, GN_LOAD: tl.constexpr,
-    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr, SIDE: tl.constexpr, PERSIST: tl.constexpr,
+    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr,
 ):
-    # SIDE (Schedule.dq_stage): 0 the whole consumer; 1 its query side alone (`query_side_vector`: the terms of
-    # H = dO Rᵀ, which read no output of the reverse scan, so it can run beside it): dq, and fp32 parts of dk
-    # (qpart) and Ḡ (in dg); 2 the rest, adding those parts. PERSIST: n_work items (chunk, batch·head, part) over a
-    # grid of fewer programs, each taking every num_programs-th: a grid that leaves the reverse scan its SMs.
-    if PERSIST:
-        for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
-            _consumer_vector_chunk(
-                w // (n_bh * KSPLIT) + c_off, (w // KSPLIT) % n_bh, w % KSPLIT,
-                q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange, qpart,
-                dq, dk, dv, hd, dg, derase, dwrite, paths, T, NT, scale, n_tok,
-                H, K, V, BT, BK, BV, BC, ERASE_VEC, WRITE_VEC, JOINT, INTRA, MAX_RANGE, PREC, IPREC, KSPLIT,
-                ONE_BETA, S0_VK, SHARED_HD, GN_LOAD, RANGE_IN, VSTAGES, SIDE)
-    else:
-        _consumer_vector_chunk(
-            tl.program_id(0) + c_off, tl.program_id(1), tl.program_id(2),
-            q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange, qpart,
-            dq, dk, dv, hd, dg, derase, dwrite, paths, T, NT, scale, n_tok,
-            H, K, V, BT, BK, BV, BC, ERASE_VEC, WRITE_VEC, JOINT, INTRA, MAX_RANGE, PREC, IPREC, KSPLIT,
-            ONE_BETA, S0_VK, SHARED_HD, GN_LOAD, RANGE_IN, VSTAGES, SIDE)
-
-
-@triton.jit
-def _consumer_vector_chunk(
-    i_t, i_bh, i_ks,
-    q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange, qpart,
-    dq, dk, dv, hd, dg, derase, dwrite, paths,
-    T, NT, scale, n_tok,
-    H, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-    ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
-    INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
-    ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr, GN_LOAD: tl.constexpr,
-    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr, SIDE: tl.constexpr,
-):
-    # One work item: chunk i_t of batch·head i_bh, part i_ks of its feature tiles.
     # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
     # feature tiles. dq, dk, dg and a vector erase path are per feature tile; dv and the write path come from part 0
     # alone; a scalar erase path (a sum over features) goes to fp32 parts that the launcher sums. SHARED_HD: they all
     # write the same H_< | D bits to one scratch (SHARED_HD_SCRATCH above), else each to its own.
-    # QS / ES: whether this program runs the query side (H's terms) / the rest (D's, P's and dS1's terms).
-    QS: tl.constexpr = SIDE != 2
-    ES: tl.constexpr = SIDE != 1
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_at(i_t, i_bh, T, H, BT)
+    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, c_off)
+    i_bh = tl.program_id(1)
+    i_ks = tl.program_id(2)
     s_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (K * V)
     r_off = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * (2 * K)  # grange [B, NT, H, 2, K]
     DT = k.dtype.element_ty
@@ -383,11 +347,10 @@ def _consumer_vector_chunk(
         d_base = D
         DS: tl.constexpr = BT
 
-    if ES:
-        if not WRITE_VEC:
-            b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
-        if JOINT:
-            b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0)
+    if not WRITE_VEC:
+        b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
+    if JOINT:
+        b_at = tl.load(A + tok[None, :] * BT + o_i[:, None], mask=m_cc, other=0.0)
 
     b_D = tl.zeros([BT, BT], dtype=tl.float32)
     b_H = tl.zeros([BT, BT], dtype=tl.float32)
@@ -401,38 +364,33 @@ def _consumer_vector_chunk(
         m_v = o_v < V
         m_rv = m_row[:, None] & m_v[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
-        if QS:
-            b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
-            b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
-        if ES:
-            if JOINT:
-                b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
-                b_p = mm(b_at.to(DT), b_rb.to(DT), PREC)
-            else:
-                b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
+        b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
+        if JOINT:
+            b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
+            b_p = mm(b_at.to(DT), b_rb.to(DT), PREC)
+        else:
+            b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
         b_rt = tl.load(R + tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_row[None, :], other=0.0)
-        if JOINT and ES:
+        if JOINT:
             b_D += mm(b_p.to(DT), b_rt.to(DT), PREC)
-        if QS:
-            b_H += mm(b_do.to(DT), b_rt.to(DT), PREC)
-            b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
-        if ES:
-            b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
-            if KSPLIT == 1:
-                m_out = m_rv
-            else:  # dv and the write path: part 0 stores them
-                m_out = m_rv & (i_ks == 0)
-            if WRITE_VEC:
-                b_wv = tl.load(write + p_v, mask=m_rv, other=0.0).to(tl.float32)
-                tl.store(dv + p_v, (b_wv * b_p).to(dv.dtype.element_ty), mask=m_out)
-                tl.store(dwrite + p_v, (b_vv * b_p).to(dwrite.dtype.element_ty), mask=m_out)
-            else:
-                b_dwr += tl.sum(b_vv * b_p, axis=1)
-                tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_out)
+        b_H += mm(b_do.to(DT), b_rt.to(DT), PREC)
+        b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
+        b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
+        if KSPLIT == 1:
+            m_out = m_rv
+        else:  # dv and the write path: part 0 stores them
+            m_out = m_rv & (i_ks == 0)
+        if WRITE_VEC:
+            b_wv = tl.load(write + p_v, mask=m_rv, other=0.0).to(tl.float32)
+            tl.store(dv + p_v, (b_wv * b_p).to(dv.dtype.element_ty), mask=m_out)
+            tl.store(dwrite + p_v, (b_vv * b_p).to(dwrite.dtype.element_ty), mask=m_out)
+        else:
+            b_dwr += tl.sum(b_vv * b_p, axis=1)
+            tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_out)
     p_hd = tok[:, None] * HS + o_i[None, :]
-    if QS:
-        tl.store(hd + p_hd, tl.where(m_lt, b_H, 0.0), mask=m_row[:, None])  # H_<: the diagonal enters elementwise
-    if JOINT and ES:
+    tl.store(hd + p_hd, tl.where(m_lt, b_H, 0.0), mask=m_row[:, None])  # H_<: the diagonal enters elementwise
+    if JOINT:
         tl.store(hd + p_hd + BT, tl.where(m_lt, -b_D, 0.0), mask=m_row[:, None])
     tl.debug_barrier()  # the slices below are read by other threads of this program
 
@@ -450,7 +408,7 @@ def _consumer_vector_chunk(
         m_rk = m_row[:, None] & m_k[None, :]
         p_rk = tok[:, None] * K + o_k[None, :]
 
-        # ---- intra contractions X_q, X_e, X_y, all [BT, BK] rows (each side its own terms)
+        # ---- intra contractions X_q, X_e, X_y, all [BT, BK] rows
         b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
         if RANGE_IN:  # the chunk's per-channel max and min of G, from the scan operands' kernel (RANGE_FROM_OPERANDS)
             b_max = tl.load(grange + r_off + o_k, mask=m_k, other=0.0)
@@ -459,8 +417,7 @@ def _consumer_vector_chunk(
         else:
             b_c, delta = _tile_range(b_g, m_row, m_k)
         use_centred = _use_centred(delta, INTRA, MAX_RANGE)
-        if ES:  # (both sides take the same path: the same range)
-            tl.store(paths + (i_bh * NT + i_t) * NK + i_k, tl.where(use_centred, 1, 2))
+        tl.store(paths + (i_bh * NT + i_t) * NK + i_k, tl.where(use_centred, 1, 2))
         if use_centred:
             b_uq = tl.zeros([BT, BK], dtype=tl.float32)
             b_ue = tl.zeros([BT, BK], dtype=tl.float32)
@@ -470,41 +427,25 @@ def _consumer_vector_chunk(
                 m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                 b_cj = tl.where(m_jk, tl.load(G + p_jk, mask=m_jk, other=0.0) - b_c[None, :], 0.0)
                 b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-                if QS:
-                    b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-                if ES:
-                    b_ej = _erase_rows(erase, tok_j, p_jk, m_jk, m_j, ERASE_VEC, BK)
+                b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
+                b_ej = _erase_rows(erase, tok_j, p_jk, m_jk, m_j, ERASE_VEC, BK)
                 b_aj = tl.exp(b_cj)
                 b_yj = b_kj * tl.exp(-b_cj)
                 # H[:, J], D[:, J] (columns J of every row) and Hᵀ[:, J], Dᵀ[:, J] (rows J, loaded transposed).
                 m_col = m_row[:, None] & m_j[None, :]
                 m_up = (o_i[:, None] < o_j[None, :]) & m_col
                 m_lo = (o_i[:, None] > o_j[None, :]) & m_col
-                if QS:
-                    b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_lo, other=0.0)
-                if ES:
-                    b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
-                if QS:
-                    b_hr = tl.load(hd + tok_j[None, :] * HS + o_i[:, None], mask=m_up, other=0.0)
-                if ES:
-                    b_dr = tl.load(d_base + tok_j[None, :] * DS + o_i[:, None], mask=m_up, other=0.0).to(tl.float32)
-                if QS:
-                    b_uq = tl.dot(b_hc, b_yj, b_uq, input_precision=IPREC)
-                if ES:
-                    b_ue = tl.dot(b_dc, b_yj, b_ue, input_precision=IPREC)
-                if QS:
-                    b_uy = tl.dot(b_hr, scale * b_qj * b_aj, b_uy, input_precision=IPREC)
-                if ES:
-                    b_uy = tl.dot(b_dr, b_ej * b_kj * b_aj, b_uy, input_precision=IPREC)
+                b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_lo, other=0.0)
+                b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_lo, other=0.0).to(tl.float32)
+                b_hr = tl.load(hd + tok_j[None, :] * HS + o_i[:, None], mask=m_up, other=0.0)
+                b_dr = tl.load(d_base + tok_j[None, :] * DS + o_i[:, None], mask=m_up, other=0.0).to(tl.float32)
+                b_uq = tl.dot(b_hc, b_yj, b_uq, input_precision=IPREC)
+                b_ue = tl.dot(b_dc, b_yj, b_ue, input_precision=IPREC)
+                b_uy = tl.dot(b_hr, scale * b_qj * b_aj, b_uy, input_precision=IPREC)
+                b_uy = tl.dot(b_dr, b_ej * b_kj * b_aj, b_uy, input_precision=IPREC)
             b_cr = tl.where(m_rk, b_g - b_c[None, :], 0.0)
-            if QS:
-                b_xq = tl.exp(b_cr) * b_uq
-            else:
-                b_xq = tl.zeros([BT, BK], dtype=tl.float32)
-            if ES:
-                b_xe = tl.exp(b_cr) * b_ue
-            else:
-                b_xe = tl.zeros([BT, BK], dtype=tl.float32)
+            b_xq = tl.exp(b_cr) * b_uq
+            b_xe = tl.exp(b_cr) * b_ue
             b_xy = tl.exp(-b_cr) * b_uy
         else:
             b_xq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -533,32 +474,22 @@ def _consumer_vector_chunk(
                     b_yj = b_kj * tl.exp(tl.where(m_jk & (i0 < n_rows), b_ga[None, :] - b_gj, float("-inf")))
                     m_ri = (o_i >= i0) & (o_i < i0 + BC) & m_row
                     m_blk = m_ri[:, None] & m_j[None, :]
+                    b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_blk, other=0.0)
+                    b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_blk, other=0.0).to(tl.float32)
                     b_al = tl.exp(tl.where(m_ri[:, None] & m_k[None, :], b_g - b_ga[None, :], float("-inf")))
-                    if QS:
-                        b_hc = tl.load(hd + tok[:, None] * HS + o_j[None, :], mask=m_blk, other=0.0)
-                        b_xq += b_al * tl.dot(b_hc, b_yj, input_precision=IPREC)
-                    if ES:
-                        b_dc = tl.load(d_base + tok[:, None] * DS + o_j[None, :], mask=m_blk,
-                                       other=0.0).to(tl.float32)
-                        b_xe += b_al * tl.dot(b_dc, b_yj, input_precision=IPREC)
+                    b_xq += b_al * tl.dot(b_hc, b_yj, input_precision=IPREC)
+                    b_xe += b_al * tl.dot(b_dc, b_yj, input_precision=IPREC)
                     # Column side: rows of J (as X_y rows) against the rows of I after them, anchored at z.
                     b_gi = tl.load(G + p_ik, mask=m_ik, other=0.0)
                     b_af = tl.exp(tl.where(m_ik, b_gi - b_gz[None, :], float("-inf")))
+                    b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+                    b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+                    b_ei = _erase_rows(erase, tok_ii, p_ik, m_ik, m_ii, ERASE_VEC, BK)
                     m_bt = ((o_i >= j0) & (o_i <= z) & m_row)[:, None] & m_ii[None, :]
-                    if QS:
-                        b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-                        b_hr = tl.load(hd + tok_ii[None, :] * HS + o_i[:, None], mask=m_bt, other=0.0)
-                        b_u = tl.dot(b_hr, scale * b_qi * b_af, input_precision=IPREC)
-                    if ES:
-                        b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-                        b_ei = _erase_rows(erase, tok_ii, p_ik, m_ik, m_ii, ERASE_VEC, BK)
-                        b_dr = tl.load(d_base + tok_ii[None, :] * DS + o_i[:, None], mask=m_bt,
-                                       other=0.0).to(tl.float32)
-                        b_ek = b_ei * b_ki * b_af
-                        if QS:
-                            b_u = tl.dot(b_dr, b_ek, b_u, input_precision=IPREC)
-                        else:
-                            b_u = tl.dot(b_dr, b_ek, input_precision=IPREC)
+                    b_hr = tl.load(hd + tok_ii[None, :] * HS + o_i[:, None], mask=m_bt, other=0.0)
+                    b_dr = tl.load(d_base + tok_ii[None, :] * DS + o_i[:, None], mask=m_bt, other=0.0).to(tl.float32)
+                    b_u = tl.dot(b_hr, scale * b_qi * b_af, input_precision=IPREC)
+                    b_u = tl.dot(b_dr, b_ei * b_ki * b_af, b_u, input_precision=IPREC)
                     b_xy += b_zr * b_u
             # Diagonal blocks, exact pairwise Λ: row i meets the row c = (its block start) + d of its own block.
             for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
@@ -569,31 +500,18 @@ def _consumer_vector_chunk(
                 # Row side (c < i): X_q,i += H_ic k_c Λ_ic, X_e,i += D_ic k_c Λ_ic.
                 m_ci = (o_c < o_i) & m_row
                 b_lam = tl.exp(tl.where(m_ci[:, None] & m_k[None, :], b_g - b_gc, float("-inf")))
-                if QS:
-                    b_hi = tl.load(hd + tok * HS + o_c, mask=m_ci, other=0.0)
-                if ES:
-                    b_di = tl.load(d_base + tok * DS + o_c, mask=m_ci, other=0.0).to(tl.float32)
-                if QS:
-                    b_xq += b_hi[:, None] * b_kc * b_lam
-                if ES:
-                    b_xe += b_di[:, None] * b_kc * b_lam
+                b_hi = tl.load(hd + tok * HS + o_c, mask=m_ci, other=0.0)
+                b_di = tl.load(d_base + tok * DS + o_c, mask=m_ci, other=0.0).to(tl.float32)
+                b_xq += b_hi[:, None] * b_kc * b_lam
+                b_xe += b_di[:, None] * b_kc * b_lam
                 # Column side (c > i): X_y,i += Λ_ci (H_ci s q_c + D_ci e_c k_c).
                 m_ic = (o_c > o_i) & m_c
-                if QS:
-                    b_qc = tl.load(q + p_c, mask=m_ck, other=0.0).to(tl.float32)
-                if ES:
-                    b_ec = _erase_rows(erase, tok_c, p_c, m_ck, m_c, ERASE_VEC, BK)
+                b_qc = tl.load(q + p_c, mask=m_ck, other=0.0).to(tl.float32)
+                b_ec = _erase_rows(erase, tok_c, p_c, m_ck, m_c, ERASE_VEC, BK)
                 b_lamt = tl.exp(tl.where(m_ic[:, None] & m_k[None, :], b_gc - b_g, float("-inf")))
-                if QS:
-                    b_hc = tl.load(hd + tok_c * HS + o_i, mask=m_ic, other=0.0)
-                if ES:
-                    b_dc = tl.load(d_base + tok_c * DS + o_i, mask=m_ic, other=0.0).to(tl.float32)
-                if SIDE == 0:
-                    b_xy += b_lamt * (b_hc[:, None] * scale * b_qc + b_dc[:, None] * b_ec * b_kc)
-                elif SIDE == 1:
-                    b_xy += b_lamt * (b_hc[:, None] * scale * b_qc)
-                else:
-                    b_xy += b_lamt * (b_dc[:, None] * b_ec * b_kc)
+                b_hc = tl.load(hd + tok_c * HS + o_i, mask=m_ic, other=0.0)
+                b_dc = tl.load(d_base + tok_c * DS + o_i, mask=m_ic, other=0.0).to(tl.float32)
+                b_xy += b_lamt * (b_hc[:, None] * scale * b_qc + b_dc[:, None] * b_ec * b_kc)
 
         # ---- inter (state) products of this feature tile over V
         b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
@@ -605,94 +523,69 @@ def _consumer_vector_chunk(
             m_v = o_v < V
             m_rv = m_row[:, None] & m_v[None, :]
             p_v = tok[:, None] * V + o_v[None, :]
-            if ES:
-                b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
-            if QS:
-                b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
-            if ES:
-                if JOINT:
-                    # P tile recomputed per feature tile: 2n²·BV FLOPs instead of a P round trip through memory.
-                    b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
-                    b_p = mm(b_at.to(DT), b_rb.to(DT), PREC)
-                else:
-                    b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
+            b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
+            b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
+            if JOINT:
+                # P tile recomputed per feature tile: 2n²·BV FLOPs instead of a P round trip through memory.
+                b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
+                b_p = mm(b_at.to(DT), b_rb.to(DT), PREC)
+            else:
+                b_p = tl.load(P + p_v, mask=m_rv, other=0.0).to(tl.float32)
             p_s = s_off + o_k[None, :] * V + o_v[:, None]
             m_s = m_v[:, None] & m_k[None, :]
             if S0_VK:
                 b_s0t = tl.load(S0 + s_off + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
             else:
                 b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
-            if ES:
-                b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
-                b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=0)
-                b_pe += mm(b_p.to(DT), b_s0t.to(DT), PREC)
-            if QS:
-                b_qg += mm(b_do.to(DT), b_s0t.to(DT), PREC)
-            if ES:
-                b_kt += mm(b_r.to(DT), b_ds1t.to(DT), PREC)
+            b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
+            b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=0)
+            b_pe += mm(b_p.to(DT), b_s0t.to(DT), PREC)
+            b_qg += mm(b_do.to(DT), b_s0t.to(DT), PREC)
+            b_kt += mm(b_r.to(DT), b_ds1t.to(DT), PREC)
 
         # ---- chain rules of this feature tile
-        if QS:
-            b_q = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-        if ES:
-            b_ev = _erase_rows(erase, tok, p_rk, m_rk, m_row, ERASE_VEC, BK)
-            if GN_LOAD:  # LAST_ROW_LOAD above
-                b_gn = tl.load(G + ((i_b * T + t0 + n_rows - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            else:
-                b_gn = tl.sum(tl.where(is_last[:, None], b_g, 0.0), axis=0)
+        b_ev = _erase_rows(erase, tok, p_rk, m_rk, m_row, ERASE_VEC, BK)
+        if GN_LOAD:  # LAST_ROW_LOAD above
+            b_gn = tl.load(G + ((i_b * T + t0 + n_rows - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        else:
+            b_gn = tl.sum(tl.where(is_last[:, None], b_g, 0.0), axis=0)
         b_gamma = tl.where(m_rk, tl.exp(b_g), 0.0)
-        if ES:
-            b_tau = tl.where(m_rk, tl.exp(b_gn[None, :] - b_g), 0.0)
-        if QS:
-            b_hs = (scale * b_hd)[:, None]
-            b_dq = scale * b_gamma * b_qg + scale * b_xq + b_hs * b_k
-        if ES:
-            b_ge = b_xe - b_gamma * b_pe  # γ Ē_dir + X_e
-            if SIDE == 0:
-                b_dk = b_ev * b_ge + b_xy + b_tau * b_kt + b_hs * b_q
-            else:  # the query side's part: X_y's H terms and the self term
-                b_dk = b_ev * b_ge + b_xy + b_tau * b_kt + tl.load(qpart + p_rk, mask=m_rk, other=0.0)
-        if QS:
-            tl.store(dq + p_rk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
-            b_gq = scale * b_gamma * b_q * b_qg + scale * b_q * b_xq  # Ḡ's query side
-        if SIDE == 1:  # the query side's fp32 parts: of dk (X_y's H terms, the self term) and of Ḡ (in dg, which
-            # the rest reads back before it stores dg there)
-            tl.store(qpart + p_rk, b_xy + b_hs * b_q, mask=m_rk)
-            tl.store(dg + p_rk, b_gq - b_k * b_xy, mask=m_rk)
-        if ES:
-            tl.store(dk + p_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
-            if ERASE_VEC:
-                tl.store(derase + p_rk, (b_k * b_ge).to(derase.dtype.element_ty), mask=m_rk)
-            else:
-                b_der += tl.sum(b_k * b_ge, axis=1)
-            # Ḡ per channel; the last row's tail term (τ_n = 1) cancels against its copy in Ḡ_n: both dropped (§8.2).
-            b_tail = tl.where(is_last[:, None], 0.0, b_tau * b_k * b_kt)
-            if SIDE == 0:
-                b_gb = b_gq + b_ev * b_k * b_ge - b_k * b_xy - b_tail
-            else:  # Ḡ's query side from the query side's part
-                b_gb = tl.load(dg + p_rk, mask=m_rk, other=0.0) + b_ev * b_k * b_ge - b_k * b_xy - b_tail
-            b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * b_frob
-            b_gb += tl.where(is_last[:, None], b_end[None, :], 0.0)
-            # dg: Ḡ's reverse in-chunk cumsum per channel, formed here (this program holds the chunk's rows of this
-            # tile)
-            tl.store(dg + p_rk, tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True), mask=m_rk)
+        b_tau = tl.where(m_rk, tl.exp(b_gn[None, :] - b_g), 0.0)
+        b_hs = (scale * b_hd)[:, None]
+        b_dq = scale * b_gamma * b_qg + scale * b_xq + b_hs * b_k
+        b_ge = b_xe - b_gamma * b_pe  # γ Ē_dir + X_e
+        b_dk = b_ev * b_ge + b_xy + b_tau * b_kt + b_hs * b_q
+        tl.store(dq + p_rk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
+        tl.store(dk + p_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
+        if ERASE_VEC:
+            tl.store(derase + p_rk, (b_k * b_ge).to(derase.dtype.element_ty), mask=m_rk)
+        else:
+            b_der += tl.sum(b_k * b_ge, axis=1)
+        # Ḡ per channel; the last row's tail term (τ_n = 1) cancels against its copy in Ḡ_n: both dropped (§8.2).
+        b_tail = tl.where(is_last[:, None], 0.0, b_tau * b_k * b_kt)
+        b_gb = (scale * b_gamma * b_q * b_qg + scale * b_q * b_xq + b_ev * b_k * b_ge
+                - b_k * b_xy - b_tail)
+        b_end = tl.sum(b_tail, axis=0) + tl.exp(b_gn) * b_frob
+        b_gb += tl.where(is_last[:, None], b_end[None, :], 0.0)
+        # dg: Ḡ's reverse in-chunk cumsum per channel, formed here (this program holds the chunk's rows of this tile)
+        tl.store(dg + p_rk, tl.cumsum(tl.where(m_rk, b_gb, 0.0), axis=0, reverse=True), mask=m_rk)
 
-    if ES:
-        if not ERASE_VEC:
-            if ONE_BETA:  # KDA's one β: the write path joins the erase path (part 0 carries it)
-                if KSPLIT == 1:
-                    b_der += b_dwr
-                elif i_ks == 0:
-                    b_der += b_dwr
-            if KSPLIT > 1:  # this program's part of the sum over feature tiles (fp32 parts)
-                derase += i_ks * n_tok
-            tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
-        if not WRITE_VEC and not ONE_BETA:
+    if not ERASE_VEC:
+        if ONE_BETA:  # KDA's one β: the write path joins the erase path (part 0 carries it)
             if KSPLIT == 1:
-                tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
-            else:
-                tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row & (i_ks == 0))
+                b_der += b_dwr
+            elif i_ks == 0:
+                b_der += b_dwr
+        if KSPLIT > 1:  # this program's part of the sum over feature tiles (fp32 parts)
+            derase += i_ks * n_tok
+        tl.store(derase + tok, b_der.to(derase.dtype.element_ty), mask=m_row)
+    if not WRITE_VEC and not ONE_BETA:
+        if KSPLIT == 1:
+            tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row)
+        else:
+            tl.store(dwrite + tok, b_dwr.to(dwrite.dtype.element_ty), mask=m_row & (i_ks == 0))
 
 
 def consumer_split(k_split: int, K: int, BK: int, *, chunks: int, num_warps: int,
@@ -732,89 +625,10 @@ def _check_tiles(chunk_size, BK, BV, num_warps, num_stages) -> None:
     validate_launch(num_warps, num_stages)
 
 
-def _check_consumer_args(q, v, G, S0, dS1, gate_range, *, chunk_size, BK, BV, num_warps, num_stages, intra,
-                         v_stages) -> None:
-    """The checks both consumer launchers (`consumer_vector`, `query_side_vector`) share."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    NT = triton.cdiv(T, chunk_size)
-    _check_vector_gate(G, (B, T, H, K))
-    _check_tiles(chunk_size, BK, BV, num_warps, num_stages)
-    if type(v_stages) is not int or v_stages not in CONSUMER_V_STAGES:
-        raise ValueError(f"v_stages must be one of {CONSUMER_V_STAGES} (0: num_stages), got {v_stages!r}")
-    if intra not in INTRA_CODES:
-        raise ValueError(f"intra must be one of {tuple(INTRA_CODES)}, got {intra!r}")
-    for name, t in (("S0", S0), ("dS1", dS1)):
-        if t is not None and tuple(t.shape) != (B, NT, H, K, V):
-            raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
-    if gate_range is not None and (tuple(gate_range.shape) != (B, NT, H, 2, K) or gate_range.dtype != torch.float32
-                                   or not gate_range.is_contiguous()):
-        raise ValueError(f"gate_range must be a contiguous float32 [B, NT, H, 2, K]={(B, NT, H, 2, K)}, got "
-                         f"{tuple(gate_range.shape)} {gate_range.dtype}")
-
-
-def _launch_consumer(grid, q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, gate_range, qpart,
-                     dq, dk, dv, hd, dg, derp, dwrite, paths, *, scale, chunk_size, BK, BV, num_warps, num_stages,
-                     intra, intra_precision, k_split, one_beta, v_stages, side, c0=0, n_work=0):
-    """One launch of `rewy_bwd_kernel_consumer_vector` (n_work > 0: the persistent grid of `query_side_vector`)."""
-    B, T, H, K = q.shape
-    s0_vk = is_v_first(S0)
-    rewy_bwd_kernel_consumer_vector[grid](
-        q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, G if gate_range is None else gate_range, qpart,
-        dq, dk, dv, hd, dg, derp, dwrite, paths,
-        T, triton.cdiv(T, chunk_size), float(scale), B * T * H, c0, B * H, n_work,
-        H=H, K=K, V=v.shape[-1], BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
-        ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=P is None,
-        INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
-        IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
-        SHARED_HD=hd.shape[0] == 1 and k_split > 1, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None,
-        VSTAGES=v_stages or num_stages, SIDE=side, PERSIST=n_work > 0, num_warps=num_warps, num_stages=num_stages,
-    )
-
-
-def query_side_vector(q, k, G, R, S0, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
-                      num_warps: int = 4, num_stages: int = 2, intra: str = "auto", intra_precision: str = "ieee",
-                      k_split: int = 1, gate_range=None, v_stages: int = 0, programs: int | None = None):
-    """The vector consumer's query side as its own stage (Schedule.dq_stage "separate"): every term of H = dO Rᵀ,
-    which reads only q, k, G, R, S0 and dO, no output of the reverse scan, so it can run beside it. dq (final), and
-    the fp32 parts of dk and Ḡ that the rest of the consumer adds (`consumer_vector(query_part=...)`).
-
-    programs: a persistent grid of at most this many programs, each taking every programs-th (chunk, batch·head,
-    part): beside the reverse scan the grid must leave the scan's programs their SMs, or the scan waits for
-    query-side programs to end (None: one program per work item). Returns query_part = (dq, dk_part, dg_part, hd):
-    dq in q's dtype; dk_part fp32 [B,T,H,K]; dg_part the fp32 [B,T,H,K] buffer the consumer then writes dg into;
-    hd the fp32 H_< | D scratch [1, B, T, H, 2·chunk_size] (H_< written here, D by the consumer)."""
-    B, T, H, K = q.shape
-    V = R.shape[-1]
-    NT = triton.cdiv(T, chunk_size)
-    _check_consumer_args(q, R, G, S0, None, gate_range, chunk_size=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
-                         num_stages=num_stages, intra=intra, v_stages=v_stages)
-    for name, t in (("R", R), ("do", do)):
-        if tuple(t.shape) != (B, T, H, V):
-            raise ValueError(f"{name} must be [B,T,H,V]={(B, T, H, V)}, got {tuple(t.shape)}")
-    if programs is not None and (type(programs) is not int or programs < 1):
-        raise ValueError(f"programs must be a positive int or None, got {programs!r}")
-    S0 = S0 if is_v_first(S0) else S0.contiguous()
-    k_split, BK = consumer_split(k_split, K, BK, chunks=NT * B * H, num_warps=num_warps, device=q.device)
-    dq = torch.empty_like(q)
-    dk_part = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    dg_part = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    hd = torch.empty(1, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
-    n_work = NT * B * H * k_split
-    persistent = programs is not None and programs < n_work
-    grid = (programs,) if persistent else (NT, B * H, k_split)
-    # (the query side reads none of v, erase, write, A, R̄, dS1, P, D and writes no dk, dv, d_erase, d_write, paths)
-    _launch_consumer(grid, q, k, R, G, q, q, q, R, R, S0, S0, do, None, None, gate_range, dk_part,
-                     dq, dq, dq, hd, dg_part, dq, dq, dg_part, scale=scale, chunk_size=chunk_size, BK=BK, BV=BV,
-                     num_warps=num_warps, num_stages=num_stages, intra=intra, intra_precision=intra_precision,
-                     k_split=k_split, one_beta=False, v_stages=v_stages, side=1, n_work=n_work if persistent else 0)
-    return dq, dk_part, dg_part, hd
-
-
 def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                     chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                     intra: str = "auto", intra_precision: str = "ieee", k_split: int = 1, chunk_ranges=None,
-                    dv_out=None, one_beta: bool = False, gate_range=None, v_stages: int = 0, query_part=None):
+                    dv_out=None, one_beta: bool = False, gate_range=None, v_stages: int = 0):
     """ReWY consumer for vector gates (§6.3–6.4, §7). Joint when P and D are None, separate otherwise. k_split:
     programs per chunk, each over its share of the feature tiles (at most one per tile; see the kernel).
     chunk_ranges, dv_out: as ``consumer_tma.consumer_tma``'s (Schedule.consumer_ranges: one launch per chunk range,
@@ -822,8 +636,6 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     per-chunk, per-channel max and min of G, [B, NT, H, 2, K] fp32 (`scan_operands.gated_scan_operands(with_range=
     True)`), read by the range guard instead of reducing G's tile; None: reduced here. v_stages: software-pipeline
     depth of the two loops over V tiles (Schedule.consumer_v_stages; 0: num_stages, as the rest of the kernel).
-    query_part: `query_side_vector`'s (dq, dk_part, dg_part, hd) for these inputs (Schedule.dq_stage "separate"):
-    this launch then runs the rest of the consumer, adds the parts, and returns that dq.
 
     Returns (dq, dk, dv, dg, d_erase, d_write, paths): dq, dk, dv in the input dtypes; d_erase / d_write in
     the shapes and dtypes of erase / write (KDA: erase and write paths of β apart; GDN2: db, dw); dg fp32
@@ -834,29 +646,37 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk_size)
-    _check_consumer_args(q, v, G, S0, dS1, gate_range, chunk_size=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
-                         num_stages=num_stages, intra=intra, v_stages=v_stages)
+    _check_vector_gate(G, (B, T, H, K))
+    _check_tiles(chunk_size, BK, BV, num_warps, num_stages)
+    if type(v_stages) is not int or v_stages not in CONSUMER_V_STAGES:
+        raise ValueError(f"v_stages must be one of {CONSUMER_V_STAGES} (0: num_stages), got {v_stages!r}")
+    if intra not in INTRA_CODES:
+        raise ValueError(f"intra must be one of {tuple(INTRA_CODES)}, got {intra!r}")
     if tuple(erase.shape) not in ((B, T, H), (B, T, H, K)):
         raise ValueError(f"erase must be [B,T,H] or [B,T,H,K], got {tuple(erase.shape)}")
     if tuple(write.shape) not in ((B, T, H), (B, T, H, V)):
         raise ValueError(f"write must be [B,T,H] or [B,T,H,V], got {tuple(write.shape)}")
-    S0, dS1 = (S0 if is_v_first(S0) else S0.contiguous()), dS1.contiguous()
+    for name, t in (("S0", S0), ("dS1", dS1)):
+        if tuple(t.shape) != (B, NT, H, K, V):
+            raise ValueError(f"{name} must have shape {(B, NT, H, K, V)}, got {tuple(t.shape)}")
+    if gate_range is not None and (tuple(gate_range.shape) != (B, NT, H, 2, K) or gate_range.dtype != torch.float32
+                                   or not gate_range.is_contiguous()):
+        raise ValueError(f"gate_range must be a contiguous float32 [B, NT, H, 2, K]={(B, NT, H, 2, K)}, got "
+                         f"{tuple(gate_range.shape)} {gate_range.dtype}")
+    s0_vk = is_v_first(S0)
+    S0, dS1 = (S0 if s0_vk else S0.contiguous()), dS1.contiguous()
     joint = P is None
     if joint != (D is None):
         raise ValueError("pass both P and D (separate consumer) or neither (joint consumer)")
     k_split, BK = consumer_split(k_split, K, BK, chunks=NT * B * H, num_warps=num_warps, device=q.device)
     NK = triton.cdiv(K, BK)
-    if query_part is not None:
-        dq, dk_part, dg, hd = _checked_query_part(query_part, q, chunk_size)
-    else:
-        dq, dk_part = torch.empty_like(q), None
-        dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-        # H_< | D rows: one scratch per program of a chunk, or one the chunk's programs share (SHARED_HD_SCRATCH)
-        shared_hd = SHARED_HD_SCRATCH and k_split > 1
-        hd = torch.empty(1 if shared_hd else k_split, B, T, H, 2 * chunk_size, dtype=torch.float32,
-                         device=q.device)
+    shared_hd = SHARED_HD_SCRATCH and k_split > 1
+    dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = output_buffer(dv_out, v, "dv_out")
+    # H_< | D rows: one scratch per program of a chunk, or one the chunk's programs share (SHARED_HD_SCRATCH)
+    hd = torch.empty(1 if shared_hd else k_split, B, T, H, 2 * chunk_size, dtype=torch.float32, device=q.device)
+    dg = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     if one_beta and not (erase.dim() == 3 and write.dim() == 3 and erase.dtype == write.dtype):
         raise ValueError("one_beta: erase and write must be one [B,T,H] β (KDA), got "
                          f"{tuple(erase.shape)} {erase.dtype} and {tuple(write.shape)} {write.dtype}")
@@ -866,31 +686,20 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
     derp = torch.empty(k_split, B, T, H, dtype=torch.float32, device=q.device) if scalar_erase_parts else derase
     paths = torch.zeros(B * H, NT, NK, dtype=torch.int32, device=q.device)
     for c0, c1 in checked_ranges(chunk_ranges, NT):
-        _launch_consumer((c1 - c0, B * H, k_split), q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D,
-                         gate_range, dk if dk_part is None else dk_part, dq, dk, dv, hd, dg, derp, dwrite, paths,
-                         scale=scale, chunk_size=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
-                         num_stages=num_stages, intra=intra, intra_precision=intra_precision, k_split=k_split,
-                         one_beta=one_beta, v_stages=v_stages, side=0 if dk_part is None else 2, c0=c0)
+        rewy_bwd_kernel_consumer_vector[(c1 - c0, B * H, k_split)](
+            q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, G if gate_range is None else gate_range,
+            dq, dk, dv, hd, dg, derp, dwrite, paths,
+            T, NT, float(scale), B * T * H, c0,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, BC=min(SUBCHUNK_ROWS, chunk_size),
+            ERASE_VEC=erase.dim() == 4, WRITE_VEC=write.dim() == 4, JOINT=joint,
+            INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
+            IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
+            SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None,
+            VSTAGES=v_stages or num_stages, num_warps=num_warps, num_stages=num_stages,
+        )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)
     return dq, dk, dv, dg, derase, dwrite, paths
-
-
-def _checked_query_part(query_part, q, chunk_size):
-    """`query_side_vector`'s (dq, dk_part, dg_part, hd), checked against the consumer's inputs."""
-    if not isinstance(query_part, (tuple, list)) or len(query_part) != 4:
-        raise TypeError("query_part must be query_side_vector's (dq, dk_part, dg_part, hd)")
-    dq, dk_part, dg_part, hd = query_part
-    B, T, H, K = q.shape
-    for name, t, shape, dtype in (("dq", dq, (B, T, H, K), q.dtype), ("dk_part", dk_part, (B, T, H, K), torch.float32),
-                                  ("dg_part", dg_part, (B, T, H, K), torch.float32),
-                                  ("hd", hd, (1, B, T, H, 2 * chunk_size), torch.float32)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device \
-                or not t.is_contiguous():
-            raise ValueError(f"query_part's {name} must be a contiguous {dtype} {shape} on {q.device}, got "
-                             + (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
-                                else type(t).__name__))
-    return dq, dk_part, dg_part, hd
 
 
 # --------------------------------------------------------------------------------------------------
@@ -964,18 +773,10 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
             intra_paths["flags"] = flags
         return grads
 
-    def query_side(q_, k_, R_, S0_, G_, do_, *, scale, chunk_size, BK, BV, num_warps, num_stages, gate_range=None,
-                   programs=None):
-        return {"query_part": query_side_vector(
-            q_, k_, G_, R_, S0_, do_, scale=scale, chunk_size=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
-            num_stages=num_stages, intra=schedule.intra, intra_precision=schedule.intra_precision,
-            k_split=schedule.consumer_k_split, gate_range=gate_range, v_stages=schedule.consumer_v_stages,
-            programs=programs)}
-
     dq, dk, dv, dg, d_erase, d_write, dh0 = run_stages(
         q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state, schedule=schedule, S0=S0,
         R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate, scan_qk=scan_qk,
-        dv_local_reads_gate=not from_forward, query_side=query_side if schedule.dq_stage == "separate" else None)
+        dv_local_reads_gate=not from_forward)
     if gate is not None:  # dg is the activated gate's (fp32): through the activation to g, A_log and dt_bias
         dg, gate_grads["A_log"], gate_grads["dt_bias"] = gate_backward(g, gate, dg)
     return dq, dk, dv, dg, d_erase, d_write, dh0
