@@ -35,6 +35,8 @@ FLAG_VARIANTS = {
     "no-flags": ({"LAST_ROW_LOAD": False, "RANGE_FROM_OPERANDS": False}, {"consumer_v_stages": 1}),
     # session 30: the chunk cumsum in order before dv_local and the scan, against the default (beside them)
     "cumsum-in-order": ({"DEFER_GATE_CUMSUM": False}, {}),
+    # session 31: the reverse scan forms dv_local = A_qkᵀ dO from the forward's A_qk (no dv_local stage)
+    "dvl-in-scan": ({"DV_LOCAL_IN_SCAN": True}, {}),
 }
 
 
@@ -173,6 +175,9 @@ def variants_for(op: str, base):
         out["qk-forward"] = base.replace(scan_operands="forward")
         out["dvl-aqk-64"] = base.replace(dv_local={"block_v": 64, "num_warps": 4})
         out["qk-forward-dvl-aqk-64"] = out["qk-forward"].replace(dv_local={"block_v": 64, "num_warps": 4})
+        # session 31: the reverse scan's split at B·H <= 8 (policy A splits it in up to 8 segments of >= 2 chunks)
+        out["rseg16"] = base.replace(reverse_scan_segments=16)
+        out["rseg4"] = base.replace(reverse_scan_segments=4)
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
             out.pop(name)
     else:

@@ -327,7 +327,8 @@ def _check_scan_qk(scan_qk, k, G, g) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, schedule: Schedule, S0, R, G,
-               dv_local, consumer, W=None, query_side=None, gate=None, scan_qk=None, dv_local_reads_gate=True):
+               dv_local, consumer, W=None, query_side=None, gate=None, scan_qk=None, dv_local_reads_gate=True,
+               scan_aqk=None):
     """The stage order shared by every operator; the gate type only picks the two local stages.
 
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None)` and
@@ -342,7 +343,9 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     triple (qg, kg, gk) adds fla-core's own chunk cumsum gk = G·log2 e (fp32, its save-all keeps it): the reverse
     scan then reads Γ_n from it, and where dv_local does not read G either (dv_local_reads_gate False: A_qk from the
     forward) the backward's chunk cumsum runs on a second stream beside dv_local and the scan (`_cumsum_beside`),
-    off the path to the scan's first step; the consumer waits for it.
+    off the path to the scan's first step; the consumer waits for it. scan_aqk (vector gates, the forward's A_qk in
+    do's dtype): the reverse scan forms dv_local = A_qkᵀ dO itself, chunk by chunk (`reverse_state_scan(aqk=)`), and
+    no dv_local stage runs.
     """
     if W is not None:
         if S0 is None:
@@ -418,7 +421,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
                      num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated,
-                     q_scaled=q_scaled, gate_log2=scan_gk is not None)
+                     q_scaled=q_scaled, gate_log2=scan_gk is not None, aqk=scan_aqk)
     G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
 
     def run_reverse_scan(dvl):
@@ -429,7 +432,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     dS1 = Rbar = dh0 = None
     dq_made = None  # (dq, Ḡ_q) from the query-side stage
     try:
-        if side is not None:  # fork: dv_local reads q, k, G and dO only
+        dvl = None  # (scan_aqk: the reverse scan forms dv_local)
+        if side is not None and scan_aqk is None:  # fork: dv_local reads q, k, G and dO only
             dvl = torch.empty_like(do)
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -466,7 +470,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         for t in (dS1, Rbar, dh0):
             if t is not None and t.is_cuda:  # (the CPU order test drives this path with stand-in streams)
                 t.record_stream(main)
-    if side is None:
+    if side is None and scan_aqk is None:
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
@@ -485,7 +489,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                                                                  **{**scan_args, "num_segments": 1})
             ranges = _scan_beside_consumer(launches, chase_streams(k.device), gate_made)
             gate_made = None  # the first range waits for it
-            dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range
+            dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range (None: a new buffer)
         else:
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
     # (chunk ranges: the scan's launches hold them until the last range has run)

@@ -290,17 +290,21 @@ def rewy_fwd_scan_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
 def rewy_bwd_scan_kernel(
-    q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X,
+    q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X, carry,
     scale, T, NT, CPS, SEG_OFFSET,
     H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
     STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr, G_LOG2: tl.constexpr,
+    IN_CARRY: tl.constexpr,
 ):
     # PHASE 0: reverse scan of segment s from dh_in[bh, s] (gradient at the segment's end; zero if absent),
     #          storing dS1 per chunk, R̄, and dh0 for segment 0. CARRY (chunk ranges, one launch each from the
-    #          last): dh_in is [BH, 2, K, V]; the launch enters from slot s % 2 and leaves the state at the
-    #          segment's start in slot (s - 1) % 2, the next launch's entering state.
+    #          last): carry is [BH, 2, K, V]; the launch leaves the state at the segment's start in slot (s - 1) % 2,
+    #          the next launch's entering state. IN_CARRY: it enters from slot s % 2 of dh_in (the carry), else
+    #          (the first range) from dh_in = dht [BH, K, V] itself (or zero).
+    # HAS_DVL: 1 dvl is dv_local [B,T,H,V]; 2 dvl is the forward's A_qk [B,T,H,BT] (fla-core's Aqk: column j ≤ row i
+    #          written) and each chunk step forms dv_local = A_qkᵀ dO itself, on the dO tile it loads anyway.
     # PHASE 1: augmented transfer scan (bias columns from zero, identity columns without bias terms);
     #          stores the gradient at the segment's start into X[bh, s].
     # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
@@ -311,7 +315,10 @@ def rewy_bwd_scan_kernel(
     dt = k.dtype.element_ty
     p_in = (i_bh * NS + i_s) * K * V
     if CARRY:  # two carry slots per state, used in turn: this launch reads slot s % 2 and writes the other
-        p_in = (i_bh * 2 + i_s % 2) * K * V
+        if IN_CARRY:
+            p_in = (i_bh * 2 + i_s % 2) * K * V
+        else:
+            p_in = i_bh * K * V
     b_d0 = _state_block_init(dh_in, p_in, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_DH_IN)
     if NB > 1:
         b_d1 = _state_block_init(dh_in, p_in, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_DH_IN)
@@ -364,8 +371,13 @@ def rewy_bwd_scan_kernel(
             b_dod = b_do.to(dt)  # the vector gate (and s) scale Q_gᵀ per element
         else:
             b_dod = (b_do.to(tl.float32) * scale).to(dt)
-        if HAS_DVL:
+        if HAS_DVL == 1:
             b_rb += tl.load(dvl + tok[:, None] * V + cols[None, :], mask=m_rv, other=0.0).to(tl.float32)
+        elif HAS_DVL == 2:  # A_qk's whole rows (a row mask only: vectorised loads), then its columns j ≤ i (the
+            # rest is unwritten); its transpose is the dot's view of a loaded tile, not of a dot result (FLA issue 640)
+            b_a = tl.load(dvl + tok[:, None] * BT + o_t[None, :], mask=m_row[:, None], other=0.0)
+            b_a = tl.where(o_t[None, :] <= o_t[:, None], b_a, 0.0).to(b_a.dtype)
+            b_rb = _mma(tl.trans(b_a), b_do, b_rb, PREC)
         if PHASE == 0:
             tl.store(Rbar + tok[:, None] * V + cols[None, :], b_rb.to(Rbar.dtype.element_ty), mask=m_rv)
         b_nrb = (-b_rb).to(dt)
@@ -384,7 +396,7 @@ def rewy_bwd_scan_kernel(
     if PHASE == 0:
         if CARRY:
             if i_s > 0:  # fp32 as the registers hold it: the ranges give the unsplit scan's bits
-                p_c = dh_in + (i_bh * 2 + (i_s - 1) % 2) * K * V
+                p_c = carry + (i_bh * 2 + (i_s - 1) % 2) * K * V
                 _state_block_store(p_c, b_d0, cols, is_bias, V, 0, K, KB)
                 if NB > 1:
                     _state_block_store(p_c, b_d1, cols, is_bias, V, 1, K, KB)
@@ -766,6 +778,7 @@ def reverse_state_scan_ranges(
     pregated: bool = False,
     q_scaled: bool = True,
     gate_log2: bool = False,
+    aqk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -786,6 +799,9 @@ def reverse_state_scan_ranges(
     q_scaled False (with pregated): q is Q ⊙ exp(G) without s (fla-core's saved qg), and dO is scaled by s instead.
     gate_log2 (with pregated): G is in log2 units, G·log2 e (fla-core's own chunk cumsum, which its save-all forward
     keeps): the scan reads only its last rows, as exp2.
+    aqk: the forward's A_qk [B,T,H,chunk_size] in do's dtype (fla-core's Aqk: column j ≤ row i of each chunk
+    written, the rest not read), with dv_local None: each chunk step forms dv_local = A_qkᵀ dO itself, on the dO tile
+    it loads anyway, so no dv_local stage runs before the scan.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -807,7 +823,13 @@ def reverse_state_scan_ranges(
         raise ValueError("gate_log2=True: only a pregated scan reads G's last rows alone; pass pregated=True with it")
     q, k, W, do = q.contiguous(), k.contiguous(), W.contiguous(), do.contiguous()
     G = G.contiguous() if G is not None else None
-    dvl = dv_local.contiguous() if dv_local is not None else None
+    if aqk is not None:
+        if dv_local is not None:
+            raise ValueError("pass dv_local or aqk (the scan then forms dv_local from it), not both")
+        if tuple(aqk.shape) != (B, T, H, chunk_size) or aqk.dtype != do.dtype or aqk.device != do.device:
+            raise ValueError(f"aqk must be [B,T,H,chunk_size]={(B, T, H, chunk_size)} in do's dtype {do.dtype} on "
+                             f"{do.device}, got {tuple(aqk.shape)} in {aqk.dtype} on {aqk.device}")
+    dvl = dv_local.contiguous() if dv_local is not None else aqk.contiguous() if aqk is not None else None
     dht = dht.contiguous() if dht is not None else None
     NT = triton.cdiv(T, chunk_size)
     NV = triton.cdiv(V, BV)
@@ -818,7 +840,8 @@ def reverse_state_scan_ranges(
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
     KB, NB = _state_blocks(K)
-    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl is not None,
+    dvl_kind = 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
+    common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
                   PREC=prec, G_LOG2=gate_log2, num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     # Scratch is allocated here, on the caller's stream, not in the launches, which the pipeline runs on its side
@@ -832,26 +855,25 @@ def reverse_state_scan_ranges(
     def whole():
         if NS > 1:
             grid1 = (triton.cdiv(VP + K, BV), B * H, NS - 1)  # segment 0's transfer is never used
-            rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, scale, T, NT, CPS, 1, NS=NS,
-                                        PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
-                                        **common)
+            rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, None, scale, T, NT, CPS, 1,
+                                        NS=NS, PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
+                                        IN_CARRY=False, **common)
             _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, reverse=True, prec=prec,
                              num_warps=num_warps)
-        rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT, CPS,
-                                              0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,
-                                              CARRY=False, **common)
+        rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, None, scale, T,
+                                              NT, CPS, 0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None,
+                                              STORE_DH0=want_dh0, CARRY=False, IN_CARRY=False, **common)
         yield 0, NT
 
     def in_ranges():
         NR, per = len(ranges), ranges[-1][1]  # the first range is the longest
-        if dht is not None:  # carry: two slots, used in turn
-            carry[:, (NR - 1) % 2].copy_(dht.view(B * H, K, V))
-        else:
-            carry[:, (NR - 1) % 2].zero_()
         for i_s, (c0, c1) in zip(reversed(range(NR)), ranges):
-            rewy_bwd_scan_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, carry, dS1, Rbar, dh0, None, scale, T, NT,
-                                                 per, i_s, NS=NR, PHASE=0, USE_DH_IN=True, STORE_DH0=want_dh0,
-                                                 CARRY=True, **common)
+            # carry: two slots, used in turn; the first range enters from dht itself (no copy into the carry)
+            first = i_s == NR - 1
+            rewy_bwd_scan_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, dht if first else carry, dS1, Rbar, dh0, None,
+                                                 carry, scale, T, NT, per, i_s, NS=NR, PHASE=0,
+                                                 USE_DH_IN=dht is not None or not first, STORE_DH0=want_dh0,
+                                                 CARRY=True, IN_CARRY=not first, **common)
             yield c0, c1
 
     return dS1, Rbar, dh0, (whole() if len(ranges) == 1 else in_ranges())

@@ -1495,6 +1495,31 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
 @BF16_ON_INTERPRETER
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 3)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_dv_local_in_scan(op, B, T, H, policy, monkeypatch):
+    # vector_local.DV_LOCAL_IN_SCAN: the reverse scan forms dv_local = A_qkᵀ dO from the forward's A_qk (its unwritten
+    # upper triangle NaN here) on each policy's default: the six bench shapes (split scans, chunk ranges) and a tail
+    # with strong decay on half the channels; the oracle's gate, no dv_local stage, and the same bits run twice
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    decay = "mixed" if T == 1000 else "normal"
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H + 7, gate_div=16.0,
+                    decay=decay)
+    s = _gpu_schedule(128, op, policy=policy)
+    assert s.dv_local_source == "forward"
+    monkeypatch.setattr(vl, "DV_LOCAL_IN_SCAN", True)
+    stages = []
+    monkeypatch.setattr(vl, "dv_local_aqk", lambda *a, **kw: stages.append("dv_local"))
+    out = run_triton(x, s, policy)
+    assert stages == []
+    assert_gates(out, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} dv_local in the scan")
+    assert_same_bits(run_triton(x, s, policy), out, ctx="dv_local in the scan, run twice")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_gpu_scan_operands_pregated(op, B, T, H, policy):
