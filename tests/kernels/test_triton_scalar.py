@@ -555,6 +555,41 @@ def test_reverse_scan_in_ranges_gives_the_scans_bits(gate, dht):
         reverse_state_scan_ranges(q, k, W, G, do, dvl, dh, num_ranges=0, **kw)
 
 
+@pytest.mark.parametrize("ranges,segments", [(1, 1), (3, 1), (1, 3)])
+def test_reverse_scan_forms_dv_local_from_aqk(ranges, segments):
+    # aqk=: the scan forms dv_local = A_qkᵀ dO per chunk from the forward's A_qk (fla-core leaves column j > row i
+    # unwritten: NaN here) instead of reading dv_local: the scan's outputs with dv_local given, to fp32 rounding
+    # (the products sum in another order), in one launch, in chunk ranges and split in segments
+    from rewy_tune.kernels.triton.scan import reverse_state_scan, reverse_state_scan_ranges
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V, C = 1, 100, 2, 32, 32, 16
+    q, k, W = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    do = torch.randn(B, T, H, V, generator=gen)
+    G = -torch.rand(B, T, H, K, generator=gen).cumsum(1) * 0.1
+    dh = torch.randn(B, H, K, V, generator=gen)
+    aqk = torch.randn(B, T, H, C, generator=gen)
+    lower = torch.arange(C)[None, :] <= (torch.arange(T) % C)[:, None]  # [T, C]: column j <= row i in its chunk
+    aqk = aqk.masked_fill(~lower[None, :, None, :], float("nan"))
+    dvl = torch.zeros_like(do)
+    for c0 in range(0, T, C):
+        a = aqk[:, c0:c0 + C].nan_to_num(0.0)  # [B, n, H, C]
+        n = a.shape[1]
+        dvl[:, c0:c0 + C] = torch.einsum("bihj,bihv->bjhv", a[..., :n], do[:, c0:c0 + C])
+    kw = dict(scale=0.5, chunk_size=C, BK=32, BV=16, num_segments=segments)
+    want = reverse_state_scan(q, k, W, G, do, dvl, dh, **kw)
+    *got, launches = reverse_state_scan_ranges(q, k, W, G, do, None, dh, num_ranges=ranges, aqk=aqk, **kw)
+    list(launches)
+    for name, a, b in zip(("dS1", "Rbar", "dh0"), want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {ranges} {segments}: {m}")
+    with pytest.raises(ValueError, match="pass dv_local or aqk"):
+        reverse_state_scan(q, k, W, G, do, dvl, dh, aqk=aqk, **kw)
+    with pytest.raises(ValueError, match=r"aqk must be \[B,T,H,chunk_size\]=\(1, 100, 2, 16\) in do's dtype"):
+        reverse_state_scan(q, k, W, G, do, None, dh, aqk=aqk[..., :8], **kw)
+    with pytest.raises(ValueError, match=r"aqk must be .* in do's dtype torch.float32"):
+        reverse_state_scan(q, k, W, G, do, None, dh, aqk=aqk.double(), **kw)
+
+
 def _range_spy(monkeypatch, log):
     """Logs each joint_tma consumer launch's chunk range, and each reverse-scan range, with the stream it is on."""
     from rewy_tune.kernels.triton import consumer_tma, pipeline

@@ -781,6 +781,24 @@ def _stand_in_streams_vector(monkeypatch, log):
         monkeypatch.setattr(module, attr, logged(name, getattr(module, attr)))
 
 
+@pytest.mark.parametrize("policy,segments,ranges", [("A", 1, 1), ("A", 2, 1), ("A", 1, 2), ("R", 2, 1)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_dv_local_in_scan(op, policy, segments, ranges, monkeypatch):
+    # vector_local.DV_LOCAL_IN_SCAN with the forward's A_qk (its unwritten upper triangle NaN): no dv_local stage, the
+    # reverse scan forms it (HAS_DVL 2) in one launch, split, and in chunk ranges; the fp64 oracle's gates on a tail
+    from rewy_tune.kernels.triton import scan, vector_local
+
+    monkeypatch.setattr(vector_local, "DV_LOCAL_IN_SCAN", True)
+    stages, kinds = [], []
+    monkeypatch.setattr(vector_local, "dv_local_aqk", lambda *a, **kw: stages.append("dv_local"))
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel", lambda args, kw, grid: kinds.append(kw["HAS_DVL"]))
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=83, decay="mixed")
+    sched = BASE.replace(chunk_size=32, dv_local_source="forward", scan_operands="forward", w_source="forward",
+                         reverse_scan_segments=segments, consumer_ranges=ranges)
+    out = run_triton(x, sched, policy)
+    assert stages == [] and kinds and set(kinds) == {2}
+    assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} dv_local in the scan, {segments} segments, {ranges} ranges")
+
 def test_cumsum_into_given_buffers():
     # out= / range_out=: the same bits as new buffers, written in place; buffers of another shape or dtype refused
     from rewy_tune.kernels.triton.cumsum import chunk_cumsum
