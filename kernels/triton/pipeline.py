@@ -218,6 +218,26 @@ def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False, s
     return min(8, n) if n >= 4 else 1
 
 
+# The reverse scan forming dv_local itself (run_stages(scan_aqk=...)) adds one [C, C] x [C, BV] product to every chunk
+# step of both passes of a split scan. Session 31 sweep, KDA A: the backward 1.5-2.3 % faster at B·H >= 16 (the scan
+# unsplit, in consumer ranges) and 2.4 % at (1, 2048, 4) (8 segments of 4 chunks), but 1.3 % slower at (1, 8192, 4),
+# where the scan's 8 segments of 16 chunks took 90.4 -> 102.8 us for the 7.1 us dv_local launch saved
+# (benchmarks/RESULTS.md, session 31). So not where the split leaves segments longer than this:
+DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS = 8
+
+
+def dv_local_in_scan_pays(schedule: Schedule, k, G_scan, V: int, split_limit: int, vector: bool) -> bool:
+    """Whether the reverse scan forms dv_local itself rather than after a dv_local stage: not where it runs split
+    (no consumer ranges in place of the split) in segments of more than DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS."""
+    C, rs = schedule.chunk_size, schedule.reverse_scan
+    NT = triton.cdiv(k.shape[1], C)
+    segments = reverse_scan_segment_count(k, G_scan, V, chunk_size=C, BV=rs.block_v,
+                                          num_segments=schedule.reverse_scan_segments, split_max_programs=split_limit)
+    if segments == 1 or consumer_range_count(schedule, NT, vector=vector, scan_segments=segments) > 1:
+        return True
+    return triton.cdiv(NT, segments) <= DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS
+
+
 def chase_streams(device: torch.device):
     """(main, side, second) streams for the consumer ranges beside the reverse scan, or None: off CUDA, or where the
     caller already runs on one of the pipeline's streams (then every launch goes in order on it). The consumer
@@ -418,11 +438,13 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         split_limit = max(1, split_limit // 2) if split_limit > 0 else 0  # (0 means no limit)
     dl, rs = sc.dv_local, sc.reverse_scan
 
+    G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
+    if scan_aqk is not None and not dv_local_in_scan_pays(sc, k, G_scan, v.shape[-1], split_limit, vector):
+        scan_aqk = None  # dv_local runs as its own stage
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
                      num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated,
                      q_scaled=q_scaled, gate_log2=scan_gk is not None, aqk=scan_aqk)
-    G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
 
     def run_reverse_scan(dvl):
         return reverse_state_scan(scan_q, scan_k, W, G_scan, do, dvl, dht, **scan_args)

@@ -88,10 +88,14 @@ RANGE_FROM_OPERANDS = True
 # only the consumer then reads, runs on a second stream beside dv_local and the scan instead of before them
 # (`pipeline._cumsum_beside`). Off: it runs first, in order (the scan still reads the forward's cumsum).
 DEFER_GATE_CUMSUM = True
-# DV_LOCAL_IN_SCAN (A_qk from the forward, Schedule.dv_local_source "forward"): the reverse scan forms dv_local =
-# A_qkᵀ dO itself, one [C, C] × [C, BV] product per chunk step on the dO tile it loads anyway
-# (`scan.reverse_state_scan(aqk=)`), and no dv_local stage runs before it (one launch and one [B,T,H,V] buffer fewer).
-DV_LOCAL_IN_SCAN = False
+# DV_LOCAL_IN_SCAN (policy A, A_qk from the forward: Schedule.dv_local_source "forward"): the reverse scan forms
+# dv_local = A_qkᵀ dO itself, one [C, C] × [C, BV] product per chunk step on the dO tile it loads anyway
+# (`scan.reverse_state_scan(aqk=)`), and no dv_local stage runs before it (one launch and one [B,T,H,V] buffer fewer),
+# except where the scan splits in long segments (`pipeline.dv_local_in_scan_pays`). On since session 31: the H200
+# passed test_gpu_dv_local_in_scan (both policies, the six bench shapes and a tail) and the sweep timed KDA A 0.6-2.3 %
+# faster where it applies (benchmarks/RESULTS.md). Policy R, whose dv_local runs beside the recompute stage on the
+# side stream, keeps the stage (not timed with it).
+DV_LOCAL_IN_SCAN = True
 # (Session 30 timed the centred products in the chunk's row halves, leaving out the quarter of them that multiply
 # H_<'s and D_<'s exact zeros: the same bits, 1-3 % slower on the H200 (more shared-memory operand loads and
 # barriers); removed, the code is at commit 4d42cdb, benchmarks/RESULTS.md session 30.)
@@ -780,7 +784,8 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
     dq, dk, dv, dg, d_erase, d_write, dh0 = run_stages(
         q, k, v, g, erase, write, A, do, dht, scale=scale, initial_state=initial_state, schedule=schedule, S0=S0,
         R=R, G=G, W=W, dv_local=dv_local, consumer=consumer, gate=gate, scan_qk=scan_qk,
-        dv_local_reads_gate=not from_forward, scan_aqk=Aqk if from_forward and DV_LOCAL_IN_SCAN else None)
+        dv_local_reads_gate=not from_forward,
+        scan_aqk=Aqk if from_forward and DV_LOCAL_IN_SCAN and S0 is not None else None)
     if gate is not None:  # dg is the activated gate's (fp32): through the activation to g, A_log and dt_bias
         dg, gate_grads["A_log"], gate_grads["dt_bias"] = gate_backward(g, gate, dg)
     return dq, dk, dv, dg, d_erase, d_write, dh0

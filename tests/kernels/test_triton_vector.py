@@ -742,24 +742,28 @@ def test_scan_reads_the_forward_gate_cumsum(op, source, split, decay, monkeypatc
             assert_gates(bad, ref, ctx="the gate cumsum in natural-log units")
 
 
-@pytest.mark.parametrize("ranges", [1, 2, "flag off"])
+@pytest.mark.parametrize("ranges", [1, 2, "flag off", "dv_local in the scan"])
 def test_deferred_cumsum_runs_beside_the_scan(ranges, monkeypatch):
     # the deferred chunk cumsum forks onto the second stream before dv_local and joins before the consumer: after the
     # scan's launches are queued in ranges (else the scan would wait for it), before the consumer in one launch.
-    # DEFER_GATE_CUMSUM off: it runs first on the main stream, no fork.
+    # DEFER_GATE_CUMSUM off: it runs first on the main stream, no fork. (dv_local as its own stage here, but in the
+    # last case: DV_LOCAL_IN_SCAN, the default, where the scan forms it.)
     from rewy_tune.kernels.triton import vector_local
 
+    monkeypatch.setattr(vector_local, "DV_LOCAL_IN_SCAN", ranges == "dv_local in the scan")
     if ranges == "flag off":
         monkeypatch.setattr(vector_local, "DEFER_GATE_CUMSUM", False)
     log = []
     _stand_in_streams_vector(monkeypatch, log)
     x = make_inputs("gdn2", 1, 100, 2, 32, 32, seed=37)
     sched = BASE.replace(chunk_size=32, scan_operands="forward", w_source="recompute", dv_local_source="forward",
-                         reverse_scan_segments=1, consumer_ranges=1 if ranges == "flag off" else ranges)
+                         reverse_scan_segments=1, consumer_ranges=ranges if isinstance(ranges, int) else 1)
     assert_gates(_run_scan_qk(x, sched, gate_cumsum="log2"), oracle(x, C=32), ctx=f"deferred cumsum, {ranges}")
     fork = ["second waits main", "cumsum on second", "second records", "dv_local on main"]
     if ranges == "flag off":
         assert log == ["cumsum on main", "dv_local on main", "reverse_scan on main", "consumer on main"]
+    elif ranges == "dv_local in the scan":
+        assert log == fork[:3] + ["reverse_scan on main", "main waits second's event", "consumer on main"]
     elif ranges == 1:
         assert log == fork + ["reverse_scan on main", "main waits second's event", "consumer on main"]
     else:
@@ -781,22 +785,28 @@ def _stand_in_streams_vector(monkeypatch, log):
         monkeypatch.setattr(module, attr, logged(name, getattr(module, attr)))
 
 
-@pytest.mark.parametrize("policy,segments,ranges", [("A", 1, 1), ("A", 2, 1), ("A", 1, 2), ("R", 2, 1)])
+@pytest.mark.parametrize("policy,segments,ranges,max_chunks", [
+    ("A", 1, 1, 8), ("A", 2, 1, 8), ("A", 1, 2, 8), ("A", 2, 1, 1), ("A", 1, 2, 1), ("R", 2, 1, 8)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_dv_local_in_scan(op, policy, segments, ranges, monkeypatch):
-    # vector_local.DV_LOCAL_IN_SCAN with the forward's A_qk (its unwritten upper triangle NaN): no dv_local stage, the
-    # reverse scan forms it (HAS_DVL 2) in one launch, split, and in chunk ranges; the fp64 oracle's gates on a tail
-    from rewy_tune.kernels.triton import scan, vector_local
+def test_dv_local_in_scan(op, policy, segments, ranges, max_chunks, monkeypatch):
+    # vector_local.DV_LOCAL_IN_SCAN (the default) with the forward's A_qk (its unwritten upper triangle NaN): under A
+    # no dv_local stage, the reverse scan forms it (HAS_DVL 2) in one launch, in chunk ranges, and split in segments
+    # no longer than DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS (longer ones, and policy R: the dv_local stage, HAS_DVL 1);
+    # the fp64 oracle's gates on a tail, mixed decay
+    from rewy_tune.kernels.triton import pipeline, scan, vector_local
 
-    monkeypatch.setattr(vector_local, "DV_LOCAL_IN_SCAN", True)
+    assert vector_local.DV_LOCAL_IN_SCAN
+    monkeypatch.setattr(pipeline, "DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS", max_chunks)
     stages, kinds = [], []
-    monkeypatch.setattr(vector_local, "dv_local_aqk", lambda *a, **kw: stages.append("dv_local"))
+    real = vector_local.dv_local_aqk
+    monkeypatch.setattr(vector_local, "dv_local_aqk", lambda *a, **kw: stages.append("dv_local") or real(*a, **kw))
     spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel", lambda args, kw, grid: kinds.append(kw["HAS_DVL"]))
     x = make_inputs(op, 1, 100, 2, 32, 32, seed=83, decay="mixed")
     sched = BASE.replace(chunk_size=32, dv_local_source="forward", scan_operands="forward", w_source="forward",
                          reverse_scan_segments=segments, consumer_ranges=ranges)
     out = run_triton(x, sched, policy)
-    assert stages == [] and kinds and set(kinds) == {2}
+    in_scan = policy == "A" and (segments == 1 or 2 <= max_chunks)  # (100 rows: 4 chunks, 2 per segment)
+    assert stages == ([] if in_scan else ["dv_local"]) and kinds and set(kinds) == {2 if in_scan else 1}
     assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} dv_local in the scan, {segments} segments, {ranges} ranges")
 
 def test_cumsum_into_given_buffers():
@@ -1512,21 +1522,23 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
 
 @BF16_ON_INTERPRETER
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 3)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_dv_local_in_scan(op, B, T, H, policy, monkeypatch):
+def test_gpu_dv_local_in_scan(op, B, T, H, monkeypatch):
     # vector_local.DV_LOCAL_IN_SCAN: the reverse scan forms dv_local = A_qkᵀ dO from the forward's A_qk (its unwritten
-    # upper triangle NaN here) on each policy's default: the six bench shapes (split scans, chunk ranges) and a tail
-    # with strong decay on half the channels; the oracle's gate, no dv_local stage, and the same bits run twice
+    # upper triangle NaN here) on policy A's default, at every split (the segment-length rule off): the six bench
+    # shapes (split scans, chunk ranges) and a tail with strong decay on half the channels; the oracle's gate, no
+    # dv_local stage, and the same bits run twice. (Session 31 ran it under policy R too, with the flag forced: passed.)
+    from rewy_tune.kernels.triton import pipeline
     from rewy_tune.kernels.triton import vector_local as vl
 
+    policy = "A"
     decay = "mixed" if T == 1000 else "normal"
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H + 7, gate_div=16.0,
                     decay=decay)
     s = _gpu_schedule(128, op, policy=policy)
-    assert s.dv_local_source == "forward"
-    monkeypatch.setattr(vl, "DV_LOCAL_IN_SCAN", True)
+    assert s.dv_local_source == "forward" and vl.DV_LOCAL_IN_SCAN
+    monkeypatch.setattr(pipeline, "DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS", 10 ** 6)
     stages = []
     monkeypatch.setattr(vl, "dv_local_aqk", lambda *a, **kw: stages.append("dv_local"))
     out = run_triton(x, s, policy)
