@@ -219,7 +219,7 @@ def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False, s
 
 
 # The reverse scan forming dv_local itself (run_stages(scan_aqk=...)) adds one [C, C] x [C, BV] product to every chunk
-# step of both passes of a split scan. Session 31 sweep, KDA A: the backward 1.5-2.3 % faster at B·H >= 16 (the scan
+# step of both passes of a split scan. Session 31 sweep, KDA A: the backward 0.6-2.3 % faster at B·H >= 16 (the scan
 # unsplit, in consumer ranges) and 2.4 % at (1, 2048, 4) (8 segments of 4 chunks), but 1.3 % slower at (1, 8192, 4),
 # where the scan's 8 segments of 16 chunks took 90.4 -> 102.8 us for the 7.1 us dv_local launch saved
 # (benchmarks/RESULTS.md, session 31). So not where the split leaves segments longer than this:
