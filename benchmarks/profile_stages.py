@@ -35,8 +35,9 @@ FLAG_VARIANTS = {
     "no-flags": ({"LAST_ROW_LOAD": False, "RANGE_FROM_OPERANDS": False}, {"consumer_v_stages": 1}),
     # session 30: the chunk cumsum in order before dv_local and the scan, against the default (beside them)
     "cumsum-in-order": ({"DEFER_GATE_CUMSUM": False}, {}),
-    # session 31: the reverse scan forms dv_local = A_qkᵀ dO from the forward's A_qk (no dv_local stage)
-    "dvl-in-scan": ({"DV_LOCAL_IN_SCAN": True}, {}),
+    # session 31 timed the reverse scan forming dv_local = A_qkᵀ dO from the forward's A_qk (no dv_local stage; the
+    # policy-A default since then) as "dvl-in-scan"; this times the dv_local stage against it
+    "dvl-stage": ({"DV_LOCAL_IN_SCAN": False}, {}),
 }
 
 
