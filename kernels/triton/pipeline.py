@@ -226,16 +226,11 @@ def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False, s
 DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS = 8
 
 
-def dv_local_in_scan_pays(schedule: Schedule, k, G_scan, V: int, split_limit: int, vector: bool) -> bool:
-    """Whether the reverse scan forms dv_local itself rather than after a dv_local stage: not where it runs split
-    (no consumer ranges in place of the split) in segments of more than DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS."""
-    C, rs = schedule.chunk_size, schedule.reverse_scan
-    NT = triton.cdiv(k.shape[1], C)
-    segments = reverse_scan_segment_count(k, G_scan, V, chunk_size=C, BV=rs.block_v,
-                                          num_segments=schedule.reverse_scan_segments, split_max_programs=split_limit)
-    if segments == 1 or consumer_range_count(schedule, NT, vector=vector, scan_segments=segments) > 1:
-        return True
-    return triton.cdiv(NT, segments) <= DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS
+def dv_local_in_scan_pays(NT: int, segments: int, n_ranges: int) -> bool:
+    """Whether the reverse scan over NT chunks forms dv_local itself rather than after a dv_local stage, given the
+    segments it would split into and the consumer ranges that run in place of a split (`run_stages`' scan plan): not
+    where it runs split in segments of more than DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS."""
+    return segments == 1 or n_ranges > 1 or triton.cdiv(NT, segments) <= DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS
 
 
 def chase_streams(device: torch.device):
@@ -439,8 +434,18 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     dl, rs = sc.dv_local, sc.reverse_scan
 
     G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
-    if scan_aqk is not None and not dv_local_in_scan_pays(sc, k, G_scan, v.shape[-1], split_limit, vector):
-        scan_aqk = None  # dv_local runs as its own stage
+    # The reverse scan's plan: the segments it would split into, and the consumer's chunk ranges (Schedule.
+    # consumer_ranges), which run it unsplit in place of such a split where it runs last and alone (not beside the
+    # forward scan)
+    NT = triton.cdiv(q.shape[1], C)
+    n_ranges = 1 if mode == "reverse_scan" else consumer_range_count(sc, NT, vector=vector)  # as if it did not split
+    if n_ranges > 1 or scan_aqk is not None:  # (only then: what it would split into)
+        segments = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=rs.block_v,
+                                              num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
+        if n_ranges > 1:  # whether its split rules them out
+            n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments)
+        if scan_aqk is not None and not dv_local_in_scan_pays(NT, segments, n_ranges):
+            scan_aqk = None  # dv_local runs as its own stage
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
                      num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated,
@@ -497,13 +502,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's
     if mode != "reverse_scan":
-        NT = triton.cdiv(q.shape[1], C)
-        n_ranges = consumer_range_count(sc, NT, vector=vector)  # as if the scan did not split
-        if n_ranges > 1:  # then whether its split rules them out
-            segments = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=rs.block_v,
-                                                  num_segments=sc.reverse_scan_segments,
-                                                  split_max_programs=split_limit)
-            n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments)
         if n_ranges > 1:
             # unsplit: the ranges run in place of a split (vector auto, `consumer_range_count`)
             dS1, Rbar, dh0, launches = reverse_state_scan_ranges(scan_q, scan_k, W, G_scan, do, dvl, dht,

@@ -809,6 +809,7 @@ def test_dv_local_in_scan(op, policy, segments, ranges, max_chunks, monkeypatch)
     assert stages == ([] if in_scan else ["dv_local"]) and kinds and set(kinds) == {2 if in_scan else 1}
     assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} dv_local in the scan, {segments} segments, {ranges} ranges")
 
+
 def test_cumsum_into_given_buffers():
     # out= / range_out=: the same bits as new buffers, written in place; buffers of another shape or dtype refused
     from rewy_tune.kernels.triton.cumsum import chunk_cumsum
