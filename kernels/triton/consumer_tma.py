@@ -58,6 +58,10 @@ launch a range of chunks at a time, each as soon as the reverse scan has finishe
 buffer is allocated once for all the launches and the fp32 row parts are summed after the last, so the results
 are the bits of one launch.
 
+``chase`` (`pipeline.CONSUMER_CHASES_SCAN`, off since session 32 measured it slower): one launch while the reverse
+scan still runs, as its programmatic dependent; each program takes a chunk from the last (`local._chased_chunk`)
+and waits for the scan's count of it (`local._wait_for_scan`) before its first R̄ tile.
+
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
 and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.
@@ -70,8 +74,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .local import (_check_consumer_args, _chunk_prologue, _dk_rows, _dq_rows, _gamma_matrices, _row_gates,
-                    _store_row_grads, checked_ranges, output_buffer, programs_per_chunk, sum_row_parts)
+from .local import (_chased_chunk, _check_consumer_args, _chunk_prologue, _chunk_rows, _dk_rows, _dq_rows,
+                    _gamma_matrices, _row_gates, _store_row_grads, _wait_for_scan, checked_ranges, output_buffer,
+                    programs_per_chunk, sum_row_parts)
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -127,14 +132,22 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq,
+    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, progress,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
-    STORE_P: tl.constexpr, KSPLIT: tl.constexpr, DQ_GIVEN: tl.constexpr,
+    STORE_P: tl.constexpr, KSPLIT: tl.constexpr, DQ_GIVEN: tl.constexpr, CHASE: tl.constexpr,
+    SCAN_PROGRAMS: tl.constexpr, PDL: tl.constexpr,
 ):
-    i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, c_off)
+    # CHASE (launched with the reverse scan still running, `scan.reverse_state_scan_ranges(progress=)`): the
+    # programs take the chunks from the last and wait for the scan's count of their chunk before the first tile
+    # it writes (R̄) is read; PDL: launched as the scan's programmatic dependent (on a GPU)
+    if CHASE:
+        i_tc, i_bhc = _chased_chunk(NT, tl.num_programs(1))
+        i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_rows(i_tc, i_bhc, T, H, BT)
+    else:
+        i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, c_off)
     i_s = (i_b * NT + i_t) * H + i_h  # this chunk's state in the [B·NT·H, K, V] view
     i_ks = tl.program_id(2)  # this program's share of the K tiles (consumer_k_split)
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -157,6 +170,8 @@ def rewy_bwd_kernel_consumer_tma(
     # Aᵀ, keeping j ≤ i (FLA's buffer is not guaranteed zero above the diagonal of a tail chunk)
     b_at = tl.trans(_tile(a_d, i_b, t0, i_h, 0, BT, BT))
     b_at = tl.where(o_i[:, None] <= o_i[None, :], b_at, 0.0).to(DT)
+    if CHASE:  # (the loads above read nothing of the scan's)
+        _wait_for_scan(progress, i_bhc, i_tc, NT, SCAN_PROGRAMS, PDL)
 
     # Phase 1: P = AᵀR̄ per V tile, H = dO Rᵀ, D = −L_<(P Rᵀ), dv, d_write, ⟨dO, R⟩
     b_D = tl.zeros([BT, BT], dtype=tl.float32)
@@ -279,6 +294,8 @@ def rewy_bwd_kernel_consumer_tma(
         b_dwr = tl.where(i_ks == 0, b_dwr, 0.0)
     _store_row_grads(derase, dwrite, dg, tok, m_row, is_last, b_der, b_dwr, b_gb, b_gb_col, b_tail, b_frob, b_gn,
                      ONE_BETA, USE_G)
+    if PDL:  # this grid ends after the scan's (its dh0 stores), whatever runs after it on the stream
+        tl.extra.cuda.gdc_wait()
 
 
 def tma_supported(*tensors: torch.Tensor) -> bool:
@@ -298,7 +315,7 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                  one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False,
-                 k_split: int = 1, dq=None, gbq=None, chunk_ranges=None, dv_out=None):
+                 k_split: int = 1, dq=None, gbq=None, chunk_ranges=None, dv_out=None, chase=None):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
     phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
     kept from phase 1 for phase 2; ``k_split``: programs per chunk, each over its share of the K tiles (module
@@ -308,7 +325,10 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     runs the reverse scan of each range first); None: one launch over every chunk. Same bits either way. ``dv_out``:
     the buffer dv is written to (v's shape and dtype, contiguous; None: a new one). Under consumer ranges the
     pipeline passes dv_local's: the reverse scan has read a range's rows of it before that range's consumer
-    writes them, so dv_local is not held beside a dv of its own while the scan goes on."""
+    writes them, so dv_local is not held beside a dv of its own while the scan goes on. ``chase``: a
+    `scan.ScanProgress` (`pipeline.CONSUMER_CHASES_SCAN`): the reverse scan was the last launch on this stream and
+    may still run, publishing its chunks into chase.flags; this one launch waits for each chunk's count (on a GPU as
+    the scan's programmatic dependent). Same bits as a launch after the scan."""
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -350,13 +370,20 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
              TensorDescriptor.from_tensor(S0.view(-1, K, V), [1, BK, BV]),
              TensorDescriptor.from_tensor(dS1.view(-1, K, V), [1, BK, BV]),
              _desc4(dq, C, BK), _desc4(dk, C, BK), _desc4(dv, C, BV))
+    if chase is not None:
+        chase.check(B * H, NT, q.device)
+        if chunk_ranges is not None:
+            raise ValueError("chase: the chasing consumer runs in one launch; pass no chunk_ranges with it")
     for c0, c1 in checked_ranges(chunk_ranges, NT):
         rewy_bwd_kernel_consumer_tma[(c1 - c0, B * H, k_split)](
             *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq,
+            chase.flags if chase is not None else None,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
             SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split,
-            DQ_GIVEN=dq_given, num_warps=num_warps, num_stages=num_stages,
+            DQ_GIVEN=dq_given, CHASE=chase is not None, SCAN_PROGRAMS=chase.programs if chase is not None else 0,
+            PDL=chase is not None and chase.pdl, num_warps=num_warps, num_stages=num_stages,
+            launch_pdl=chase is not None and chase.pdl,
         )
     if k_split > 1:
         sum_row_parts(derp, dwp, dgp, derase, dwrite, dg)

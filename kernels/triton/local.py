@@ -203,7 +203,12 @@ def _chunk_prologue(T, H, BT: tl.constexpr, c_off):
     fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector) and the vector dv_local. In the
     vector consumer it only moves registers around: sm_90 stack KDA 176 → 168 B, GDN2 312 → 344 B (session 13, not
     timed). c_off: the first chunk of the launch's grid (joint_tma launched a chunk range at a time)."""
-    i_t, i_bh = tl.program_id(0) + c_off, tl.program_id(1)
+    return _chunk_rows(tl.program_id(0) + c_off, tl.program_id(1), T, H, BT)
+
+
+@triton.jit
+def _chunk_rows(i_t, i_bh, T, H, BT: tl.constexpr):
+    """`_chunk_prologue`'s values for chunk i_t of batch·head i_bh."""
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
     o_i = tl.arange(0, BT)
@@ -213,6 +218,40 @@ def _chunk_prologue(T, H, BT: tl.constexpr, c_off):
     n_rows = tl.minimum(T - t0, BT)
     is_last = o_i == n_rows - 1
     return i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last
+
+
+# A consumer waiting for the reverse scan gives up after this many polls of its chunk's counter (seconds, where the
+# scan takes at most milliseconds) and traps, so a scan that never publishes is an error, not a hang.
+CHASE_MAX_POLLS = tl.constexpr(1 << 24)
+
+
+@triton.jit
+def _chased_chunk(NT, BH):
+    """(chunk, batch·head) of this program where the consumer chases the reverse scan (`_wait_for_scan`): programs
+    in launch order (program id 0 fastest, then 1) take the chunks from the last, which the scan finishes first,
+    every head of a chunk before the chunk before it. The grid is (NT, B·H, programs per chunk)."""
+    i_l = tl.program_id(0) + tl.program_id(1) * NT
+    return NT - 1 - i_l // BH, i_l % BH
+
+
+@triton.jit
+def _wait_for_scan(progress, i_bh, i_t, NT, PROGRAMS: tl.constexpr, ON_GPU: tl.constexpr):
+    """Wait until all PROGRAMS reverse-scan programs of head i_bh have published chunk i_t's dS1 and R̄
+    (`scan.reverse_state_scan_ranges(progress=)`): acquire loads of its counter, then a CTA barrier, so every thread's
+    later loads see the scan's stores. ON_GPU: the trap after CHASE_MAX_POLLS polls, and a proxy fence, since the tiles then
+    come through TMA (the async proxy) and the counter through ordinary loads."""
+    p_f = progress + i_bh * NT + i_t
+    n = tl.atomic_add(p_f, 0, sem="acquire", scope="gpu")
+    polls = 0
+    while (n < PROGRAMS) & (polls < CHASE_MAX_POLLS):
+        n = tl.atomic_add(p_f, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if ON_GPU:
+        if n < PROGRAMS:
+            tl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -44,8 +44,8 @@ from .local import dv_local as run_dv_local
 from .local import producer as run_producer
 from .query_side import query_side
 from .recompute import recompute_wu
-from .scan import (forward_state_scan, reverse_scan_segment_count, reverse_state_scan, reverse_state_scan_ranges,
-                   split_program_limit)
+from .scan import (forward_state_scan, pdl_supported, reverse_scan_segment_count, reverse_state_scan,
+                   reverse_state_scan_ranges, scan_progress, split_program_limit)
 from .scan_operands import gated_scan_operands
 
 MAX_HEAD_DIM = 256
@@ -166,14 +166,15 @@ def _separate_query_side(schedule: Schedule) -> bool:
 
 def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, dq_first: bool,
                      gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, chunk_ranges=None,
-                     dv_out=None, **kw):
+                     dv_out=None, chase=None, **kw):
     """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
     (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding (it forms dq
-    itself; a dq from the query-side stage is then not used)."""
+    itself; a dq from the query-side stage is then not used). The pointer kernel does not chase the scan: launched
+    as usual, it runs after it (the scan's programmatic launch only lets a dependent launched as one start early)."""
     if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
         return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, dq_first=dq_first, gamma_t=gamma_t,
                             store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, chunk_ranges=chunk_ranges,
-                            dv_out=dv_out, **kw)
+                            dv_out=dv_out, chase=chase, **kw)
     for _ in chunk_ranges or ():  # the pointer kernel runs once, after the whole reverse scan
         pass
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)
@@ -231,6 +232,26 @@ def dv_local_in_scan_pays(NT: int, segments: int, n_ranges: int) -> bool:
     segments it would split into and the consumer ranges that run in place of a split (`run_stages`' scan plan): not
     where it runs split in segments of more than DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS."""
     return segments == 1 or n_ranges > 1 or triton.cdiv(NT, segments) <= DV_LOCAL_IN_SCAN_MAX_SEGMENT_CHUNKS
+
+
+# The consumer chasing the reverse scan: where the scan runs last and alone and unsplit (or in consumer ranges in
+# place of a split), it runs in one launch, publishing each chunk (`scan.ScanProgress`), and the consumer is launched
+# at once after it, as its programmatic dependent, each program waiting for its chunk (`local._wait_for_scan`). The
+# ranges' launches per range let consumer CTAs take the SMs the scan's next launch needed (session 18: DeltaNet A
+# (1, 2048, 16) gained nothing from 4 ranges). DeltaNet and GDN (joint_tma) only. Off: on the H200 (session 32) it
+# gave the bits of the consumer after the scan and replayed in CUDA graphs, and the consumer started with the scan,
+# but DeltaNet A was 7-24 % slower. Publishing each chunk cost the scan 0.45 µs a step (48 -> 63 µs at
+# (1, 2048, 16)), and on the 68 SMs the scan leaves the consumer still ended 58 µs after it (benchmarks/RESULTS.md).
+CONSUMER_CHASES_SCAN = False
+
+
+def consumer_chases_scan(schedule: Schedule, device: torch.device, *, vector: bool) -> bool:
+    """Whether the consumer may chase the reverse scan (CONSUMER_CHASES_SCAN): the joint_tma consumer, on a GPU that
+    launches programmatic dependents (`scan.pdl_supported`; a waiting CTA then never holds an SM a scan program
+    needs), or off CUDA, where the interpreter runs the launches in order. The caller adds where: the scan last,
+    alone and unsplit."""
+    return (CONSUMER_CHASES_SCAN and not vector and schedule.consumer == "joint_tma"
+            and (device.type != "cuda" or pdl_supported(device)))
 
 
 def chase_streams(device: torch.device):
@@ -439,17 +460,22 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # forward scan)
     NT = triton.cdiv(q.shape[1], C)
     n_ranges = 1 if mode == "reverse_scan" else consumer_range_count(sc, NT, vector=vector)  # as if it did not split
-    if n_ranges > 1 or scan_aqk is not None:  # (only then: what it would split into)
+    may_chase = mode != "reverse_scan" and consumer_chases_scan(sc, k.device, vector=vector)
+    chase = None  # the scan's per-chunk counters, where the consumer chases it (one scan launch, unsplit)
+    if n_ranges > 1 or scan_aqk is not None or may_chase:  # (only then: what it would split into)
         segments = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=rs.block_v,
                                               num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
         if n_ranges > 1:  # whether its split rules them out
             n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments)
         if scan_aqk is not None and not dv_local_in_scan_pays(NT, segments, n_ranges):
             scan_aqk = None  # dv_local runs as its own stage
+        if may_chase and (segments == 1 or n_ranges > 1):  # in place of the ranges, unsplit as they are
+            chase, n_ranges = scan_progress(k, v.shape[-1], chunk_size=C, BV=rs.block_v), 1
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
-                     num_segments=sc.reverse_scan_segments, split_max_programs=split_limit, pregated=pregated,
-                     q_scaled=q_scaled, gate_log2=scan_gk is not None, aqk=scan_aqk)
+                     num_segments=1 if chase is not None else sc.reverse_scan_segments,
+                     split_max_programs=split_limit, pregated=pregated, q_scaled=q_scaled,
+                     gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase)
 
     def run_reverse_scan(dvl):
         return reverse_state_scan(scan_q, scan_k, W, G_scan, do, dvl, dht, **scan_args)
@@ -512,7 +538,11 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range (None: a new buffer)
         else:
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
-    # (chunk ranges: the scan's launches hold them until the last range has run)
+            if chase is not None:  # dv over dv_local, whose rows of a chunk the scan has read before publishing it
+                dv_out = dvl
+    # (chunk ranges: the scan's launches hold them until the last range has run). A chasing consumer runs while the
+    # scan still reads its inputs: they are held until it is launched, so that none of its buffers reuses their memory
+    scan_inputs = (W, scan_q, scan_k, scan_qk, scan_gk, G_scan) if chase is not None else ()
     del dvl, W, scan_q, scan_k, scan_qk, scan_gk, G_scan
     if gate_made is not None:  # the deferred cumsum's G and gate range
         torch.cuda.current_stream(k.device).wait_event(gate_made)
@@ -526,11 +556,14 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     given = {} if dq_made is None else {"dq": dq_made[0], "gbq": dq_made[1]}
     if ranges is not None:
         given.update(chunk_ranges=ranges, dv_out=dv_out)
+    if chase is not None:  # the next launch on this stream: nothing may run between the scan and it
+        given.update(chase=chase, dv_out=dv_out)
     if gate_range is not None:
         given["gate_range"] = gate_range
     dq, dk, dv, dg, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)
+    del scan_inputs
 
     # the consumers return dg itself: Ḡ's reverse in-chunk cumsum is formed in the program that holds the chunk
     if gate is None:  # with the in-kernel gate the caller takes dg on (vector_local: to the raw gate input)

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -288,15 +289,33 @@ def rewy_fwd_scan_kernel(
             _state_block_store(p_x, b_s3, cols, m_x, XW, 3, K, KB)
 
 
+@triton.jit
+def _cta_sync():
+    # a CTA barrier as inline PTX: tl.debug_barrier in the chunk loop stops Triton 3.6's software pipeliner (the
+    # sm_90 reverse scan's shared memory 176 128 -> 24 576 B: no tile prefetched); this one leaves it alone. Named
+    # barrier 15, which Triton's own code does not use here (it syncs on barrier 0), all threads of the CTA.
+    tl.inline_asm_elementwise("bar.sync 15; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _publish(p_count, PDL: tl.constexpr):
+    # every thread's stores of the chunk (dS1, R̄) before one thread's release add to its count
+    if PDL:
+        _cta_sync()
+    else:
+        tl.debug_barrier()
+    tl.atomic_add(p_count, 1, sem="release", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
 def rewy_bwd_scan_kernel(
-    q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X, carry,
+    q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X, carry, progress,
     scale, T, NT, CPS, SEG_OFFSET,
     H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
     STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr, G_LOG2: tl.constexpr,
-    IN_CARRY: tl.constexpr,
+    IN_CARRY: tl.constexpr, PUBLISH: tl.constexpr, PDL: tl.constexpr,
 ):
     # PHASE 0: reverse scan of segment s from dh_in[bh, s] (gradient at the segment's end; zero if absent),
     #          storing dS1 per chunk, R̄, and dh0 for segment 0. CARRY (chunk ranges, one launch each from the
@@ -307,7 +326,17 @@ def rewy_bwd_scan_kernel(
     #          written) and each chunk step forms dv_local = A_qkᵀ dO itself, on the dO tile it loads anyway.
     # PHASE 1: augmented transfer scan (bias columns from zero, identity columns without bias terms);
     #          stores the gradient at the segment's start into X[bh, s].
+    # PUBLISH (PHASE 0; the consumer chases the scan, `reverse_state_scan_ranges(progress=)`): once a chunk's dS1
+    #          and R̄ are stored, the program adds 1 to progress[bh, chunk] (int32, zeroed) with release semantics,
+    #          at the top of the next chunk's step (the release waits for the stores: session 32's add right after
+    #          them cost the scan 0.4 µs a step);
+    #          the consumer of that chunk waits until all cdiv(V, BV) programs of its head have. PDL (on a GPU): the
+    #          consumer is launched as this kernel's programmatic dependent, and may start once every program of
+    #          this grid has started (griddepcontrol.launch_dependents here): a consumer CTA that waits never holds
+    #          an SM a scan program still needs.
     # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
     i_b, i_h = i_bh // H, i_bh % H
     cols = i_c * BV + tl.arange(0, BV)
@@ -337,6 +366,9 @@ def rewy_bwd_scan_kernel(
         tok = (i_b * T + rows) * H + i_h
         tok_last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
         if PHASE == 0:
+            if PUBLISH:  # the chunk before (i_t + 1), whose stores had this chunk's loads and products to drain
+                if i_r > 0:
+                    _publish(progress + i_bh * NT + i_t + 1, PDL)
             p_d = dS1 + ((i_b * NT + i_t) * H + i_h) * K * V
             _state_block_store(p_d, b_d0, cols, is_bias, V, 0, K, KB)
             if NB > 1:
@@ -394,6 +426,8 @@ def rewy_bwd_scan_kernel(
                                      GATE, PREC, G_LOG2)
 
     if PHASE == 0:
+        if PUBLISH:  # the range's first chunk, the loop's last
+            _publish(progress + i_bh * NT + c0, PDL)
         if CARRY:
             if i_s > 0:  # fp32 as the registers hold it: the ranges give the unsplit scan's bits
                 p_c = carry + (i_bh * 2 + (i_s - 1) % 2) * K * V
@@ -730,6 +764,43 @@ def forward_state_scan(
     return Hs, R
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched as programmatic dependents (griddepcontrol: compute
+    capability 9.0 and later)."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@dataclass(frozen=True)
+class ScanProgress:
+    """The reverse scan's per-chunk counters, for a consumer launched while the scan runs, which waits for each
+    chunk (`reverse_state_scan_ranges(progress=)`). flags: int32 [B·H, NT], zero before the scan; programs: the scan
+    programs per head (cdiv(V, BV)), each adding 1 to a chunk's count once it has stored that chunk; pdl: the
+    consumer is launched as the scan's programmatic dependent (`pdl_supported`)."""
+
+    flags: torch.Tensor
+    programs: int
+    pdl: bool
+
+    def check(self, BH: int, NT: int, device: torch.device) -> None:
+        f = self.flags
+        if tuple(f.shape) != (BH, NT) or f.dtype != torch.int32 or f.device != device or not f.is_contiguous():
+            raise ValueError(f"ScanProgress.flags must be a contiguous int32 [B·H, NT]={(BH, NT)} tensor on {device}, "
+                             f"got {tuple(f.shape)} in {f.dtype} on {f.device}")
+
+
+def scan_progress(k: torch.Tensor, V: int, *, chunk_size: int, BV: int) -> ScanProgress:
+    """Zeroed counters for the reverse scan of k [B,T,H,K] at state tiles BV wide (`ScanProgress`)."""
+    B, T, H, _ = k.shape
+    flags = torch.zeros(B * H, triton.cdiv(T, chunk_size), dtype=torch.int32, device=k.device)
+    return ScanProgress(flags, triton.cdiv(V, BV), pdl_supported(k.device))
+
+
 def reverse_state_scan(q, k, W, G, do, dv_local, dht, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reverse state scan (§4) in one go: `reverse_state_scan_ranges` (same arguments) run to the end. Returns
     (dS1, R̄, dh0)."""
@@ -779,6 +850,7 @@ def reverse_state_scan_ranges(
     q_scaled: bool = True,
     gate_log2: bool = False,
     aqk: torch.Tensor | None = None,
+    progress: ScanProgress | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -802,6 +874,10 @@ def reverse_state_scan_ranges(
     aqk: the forward's A_qk [B,T,H,chunk_size] in do's dtype (fla-core's Aqk: column j ≤ row i of each chunk
     written, the rest not read), with dv_local None: each chunk step forms dv_local = A_qkᵀ dO itself, on the dO tile
     it loads anyway, so no dv_local stage runs before the scan.
+    progress: a `ScanProgress` (`scan_progress`), for a consumer that chases the scan in one launch
+    (`pipeline.consumer_chases_scan`): each program adds 1 to progress.flags[bh, chunk] once that chunk's dS1 and R̄
+    are stored. With progress.pdl the scan lets the next launch on its stream start as its programmatic dependent:
+    that launch must be the chasing consumer. Only where the scan runs unsplit in one range.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -844,6 +920,15 @@ def reverse_state_scan_ranges(
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
                   PREC=prec, G_LOG2=gate_log2, num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
+    if progress is not None:
+        if NS > 1 or len(ranges) > 1:
+            raise ValueError(f"progress: a chasing consumer follows the scan in one unsplit launch; these arguments "
+                             f"give {NS} segments and {len(ranges)} ranges")
+        progress.check(B * H, NT, k.device)
+        if progress.programs != NV:
+            raise ValueError(f"progress counts {progress.programs} programs per head; this scan has {NV}")
+    flags = progress.flags if progress is not None else None
+    pdl = progress is not None and progress.pdl
     # Scratch is allocated here, on the caller's stream, not in the launches, which the pipeline runs on its side
     # stream. It lives as long as the iterator: the pipeline takes this path only where the scan does not split
     # (`reverse_scan_segment_count`), since a split scan's X and entering states held beside the consumer put
@@ -855,14 +940,15 @@ def reverse_state_scan_ranges(
     def whole():
         if NS > 1:
             grid1 = (triton.cdiv(VP + K, BV), B * H, NS - 1)  # segment 0's transfer is never used
-            rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, None, scale, T, NT, CPS, 1,
-                                        NS=NS, PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
-                                        IN_CARRY=False, **common)
+            rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, None, None, scale, T, NT,
+                                        CPS, 1, NS=NS, PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
+                                        IN_CARRY=False, PUBLISH=False, PDL=False, **common)
             _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, reverse=True, prec=prec,
                              num_warps=num_warps)
-        rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, None, scale, T,
-                                              NT, CPS, 0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None,
-                                              STORE_DH0=want_dh0, CARRY=False, IN_CARRY=False, **common)
+        rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, None, flags,
+                                              scale, T, NT, CPS, 0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None,
+                                              STORE_DH0=want_dh0, CARRY=False, IN_CARRY=False,
+                                              PUBLISH=flags is not None, PDL=pdl, **common)
         yield 0, NT
 
     def in_ranges():
@@ -871,9 +957,9 @@ def reverse_state_scan_ranges(
             # carry: two slots, used in turn; the first range enters from dht itself (no copy into the carry)
             first = i_s == NR - 1
             rewy_bwd_scan_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, dht if first else carry, dS1, Rbar, dh0, None,
-                                                 carry, scale, T, NT, per, i_s, NS=NR, PHASE=0,
+                                                 carry, None, scale, T, NT, per, i_s, NS=NR, PHASE=0,
                                                  USE_DH_IN=dht is not None or not first, STORE_DH0=want_dh0,
-                                                 CARRY=True, IN_CARRY=not first, **common)
+                                                 CARRY=True, IN_CARRY=not first, PUBLISH=False, PDL=False, **common)
             yield c0, c1
 
     return dS1, Rbar, dh0, (whole() if len(ranges) == 1 else in_ranges())

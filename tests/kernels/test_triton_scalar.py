@@ -728,6 +728,104 @@ def test_consumer_tma_rejects_bad_chunk_ranges():
         consumer_tma(*args, **kw, chunk_ranges=[(1, 2), (1, 2)])
 
 
+def _chase_spy(monkeypatch) -> list:
+    """Each reverse scan's progress counters (None: the scan publishes nothing) as the pipeline passes them."""
+    from rewy_tune.kernels.triton import pipeline
+    from rewy_tune.kernels.triton import scan as scan_module
+
+    seen = []
+    real = scan_module.reverse_state_scan_ranges
+
+    def scan(*args, progress=None, **kw):
+        seen.append(progress)
+        return real(*args, progress=progress, **kw)
+
+    for module in (pipeline, scan_module):  # (the one launch goes through scan.reverse_state_scan)
+        monkeypatch.setattr(module, "reverse_state_scan_ranges", scan)
+    return seen
+
+
+@pytest.mark.parametrize("op,T,h0", [("deltanet", 100, True), ("gdn", 100, False), ("gdn", 64, True)])
+def test_consumer_chases_the_scan(op, T, h0, monkeypatch):
+    # pipeline.CONSUMER_CHASES_SCAN under policy A (the scan last and alone): one scan launch that publishes each
+    # chunk, then one consumer launch whose programs take the chunks from the last and wait for each (the
+    # interpreter runs the launches in order: the counts are all there). The same bits as the consumer after the
+    # scan, dv over dv_local, every output written (NaN-poisoned), and the oracle's gates; a tail and no tail
+    from rewy_tune.kernels.triton import pipeline
+
+    x = make_inputs(op, 2, T, 2, 32, 32, seed=83, h0=h0)
+    s = BASE.replace(consumer="joint_tma", chunk_size=32, w_source="forward")
+    after = run_triton(x, s, "A")
+    seen = _chase_spy(monkeypatch)
+    launches = _tma_consumer_launches(monkeypatch)
+    monkeypatch.setattr(pipeline, "CONSUMER_CHASES_SCAN", True)
+    made = []
+    real_dvl = pipeline.run_dv_local
+    monkeypatch.setattr(pipeline, "run_dv_local", lambda *a, **kw: made.append(real_dvl(*a, **kw)) or made[-1])
+    chased = run_triton(x, s, "A")
+    assert len(seen) == 1 and seen[0] is not None and seen[0].programs == 1 and not seen[0].pdl
+    NT = -(-T // 32)
+    assert torch.equal(seen[0].flags, torch.ones(4, NT, dtype=torch.int32))  # one program per head published each
+    (grid, args), = launches
+    assert grid == (NT, 4, 1) and args[22] is seen[0].flags  # one launch over every chunk, reading the counters
+    assert chased["dv"] is made[0]
+    assert_same_bits(chased, after, ctx=f"{op} chase")
+    assert_gates(chased, oracle(x, C=32), ctx=f"{op} chase")
+
+
+def test_consumer_chases_the_scan_only_where_it_runs_last_alone_unsplit(monkeypatch):
+    # with the flag on: with the reverse scan beside the forward scan (policy R, side_stream "reverse_scan"), with
+    # the pointer consumer, and where the scan splits, nothing chases; consumer ranges in place of an unsplit scan
+    # give way to the chase, and policy R in order is chased too (the scan then runs last and alone)
+    pipeline = _stand_in_streams(monkeypatch, [])  # the side-stream mode as the schedule names it
+    monkeypatch.setattr(pipeline, "CONSUMER_CHASES_SCAN", True)
+    seen = _chase_spy(monkeypatch)
+    x = make_inputs("gdn", 1, 200, 2, 32, 32, seed=89)  # chunk 32: 7 chunks
+    s = BASE.replace(consumer="joint_tma", chunk_size=32, w_source="forward")
+    ref = oracle(x, C=32)
+    cases = {"R beside": (s.replace(side_stream="reverse_scan"), "R", False),
+             "pointer": (s.replace(consumer="joint"), "A", False),
+             "split": (s.replace(reverse_scan_segments=3, scan_split_waves=0), "A", False),
+             "ranges": (s.replace(consumer_ranges=2), "A", True), "R in order": (s, "R", True)}
+    for name, (sched, policy, chased) in cases.items():
+        seen.clear()
+        assert_gates(run_triton(x, sched, policy), ref, ctx=name)
+        assert len(seen) == 1 and (seen[0] is not None) == chased, name
+    assert not pipeline.consumer_chases_scan(s, torch.device("cpu"), vector=True)  # joint_tma only
+
+
+def test_chase_bad_arguments():
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.kernels.triton.consumer_tma import consumer_tma
+
+    x = make_inputs("gdn", 1, 200, 2, 32, 32, seed=97)
+    q, k, do = x["q"], x["k"], x["do"]
+    G = torch.zeros(1, 200, 2)
+    kw = dict(scale=0.3, chunk_size=32, BK=32, BV=32)
+    good = scan.scan_progress(k, 32, chunk_size=32, BV=32)
+    assert good.flags.shape == (2, 7) and good.programs == 1 and not good.pdl
+    with pytest.raises(ValueError, match=r"a chasing consumer follows the scan in one unsplit launch; these "
+                                         r"arguments give 3 segments and 1 ranges"):
+        scan.reverse_state_scan_ranges(q, k, k, G, do, None, None, **kw, num_segments=3, progress=good)
+    with pytest.raises(ValueError, match=r"one unsplit launch; these arguments give 1 segments and 2 ranges"):
+        scan.reverse_state_scan_ranges(q, k, k, G, do, None, None, **kw, num_ranges=2, progress=good)
+    with pytest.raises(ValueError, match=r"ScanProgress.flags must be a contiguous int32 \[B·H, NT\]=\(2, 7\) "
+                                         r"tensor on cpu, got \(2, 6\) in torch.int32"):
+        scan.reverse_state_scan_ranges(q, k, k, G, do, None, None, **kw,
+                                       progress=scan.ScanProgress(torch.zeros(2, 6, dtype=torch.int32), 1, False))
+    with pytest.raises(ValueError, match=r"progress counts 2 programs per head; this scan has 1"):
+        scan.reverse_state_scan_ranges(q, k, k, G, do, None, None, **kw,
+                                       progress=scan.ScanProgress(good.flags, 2, False))
+    args = _consumer_args(True, torch.float32)  # T = 100, B·H = 2: two chunks
+    chase = scan.ScanProgress(torch.ones(2, 2, dtype=torch.int32), 1, False)
+    with pytest.raises(ValueError, match=r"chase: the chasing consumer runs in one launch; pass no chunk_ranges"):
+        consumer_tma(*args, scale=0.3, chunk_size=64, BK=16, BV=32, chase=chase, chunk_ranges=[(0, 2)])
+    with pytest.raises(ValueError, match=r"ScanProgress.flags must be a contiguous int32 .* got \(2, 2\) in "
+                                         r"torch.int64"):
+        consumer_tma(*args, scale=0.3, chunk_size=64, BK=16, BV=32,
+                     chase=scan.ScanProgress(torch.ones(2, 2, dtype=torch.int64), 1, False))
+
+
 def test_dv_local_writes_a_given_buffer():
     # the side stream writes dv_local into a buffer the main stream allocated: same values, the buffer returned
     from rewy_tune.kernels.triton.local import dv_local
@@ -1107,6 +1205,66 @@ def test_gpu_consumer_ranges(op, B, T, H):
         assert_same_bits(ranged, one, ctx=f"{n} ranges")
     assert_bf16(ranged, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
                 f"gpu {op} {B},{T},{H} A consumer ranges")
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 16), (1, 1000, 4)])
+def test_gpu_consumer_chases_scan(op, B, T, H, monkeypatch):
+    # pipeline.CONSUMER_CHASES_SCAN under policy A: the consumer launched as the reverse scan's programmatic
+    # dependent, each program waiting for its chunk's count. The same bits as the consumer launched after the scan
+    # (a missing wait, release or proxy fence would read R̄ or dS1 before the scan wrote them), twice, and the bf16
+    # gate. (1, 1000, 4) with the split off, so that the scan runs unsplit and is chased there too
+    from rewy_tune.kernels.triton import pipeline
+
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 13, gate_div=1.0)
+    base = _gpu_default() if H >= 16 else _gpu_default().replace(scan_split_waves=0, reverse_scan_segments=1)
+    after = run_triton(x, base, "A")
+    seen = _chase_spy(monkeypatch)
+    monkeypatch.setattr(pipeline, "CONSUMER_CHASES_SCAN", True)
+    for _ in range(2):
+        chased = run_triton(x, base, "A")
+        assert_same_bits(chased, after, ctx=f"gpu {op} {B},{T},{H} chase")
+    assert len(seen) == 2 and all(p is not None and p.pdl for p in seen)
+    assert bool((seen[-1].flags == seen[-1].programs).all())
+    assert_bf16(chased, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
+                f"gpu {op} {B},{T},{H} A chase")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_gpu_cuda_graph_replay_chase(op, monkeypatch):
+    # policy A with the consumer chasing the scan, captured in a CUDA graph (the programmatic launch becomes a
+    # programmatic edge) and replayed on other inputs: the bits of an eager call on those inputs
+    from rewy_tune.kernels.triton import pipeline
+
+    monkeypatch.setattr(pipeline, "CONSUMER_CHASES_SCAN", True)
+    s = _gpu_default()
+    scale = 128 ** -0.5
+
+    def inputs(seed):
+        x = make_inputs(op, 1, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=seed, gate_div=1.0)
+        f = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=scale, initial_state=x["h0"],
+                          save_states=True)
+        return {**x, "A": f.A, "S0": f.S0, "R": f.R.to(x["q"].dtype), "G": f.G, "W": f.W.to(x["q"].dtype)}
+
+    def bwd(t):
+        return rewy_backward_triton(t["q"], t["k"], t["v"], t["g"], t["beta"], t["beta"], t["A"], t["do"], t["dht"],
+                                    scale=scale, initial_state=t["h0"], schedule=s, S0=t["S0"], R=t["R"], G=t["G"],
+                                    W=t["W"])
+
+    static = {n: (t.clone() if t is not None else None) for n, t in inputs(1).items()}
+    graph, outs = capture(lambda: bwd(static))
+    y = inputs(2)
+    for n, t in y.items():
+        if t is not None:
+            static[n].copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    for n, a, b in zip(NAMES, outs, bwd(y)):
+        if b is not None:
+            assert torch.equal(a, b), n
 
 
 @pytest.mark.gpu
