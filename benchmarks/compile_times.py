@@ -15,6 +15,7 @@ launches that one backward of an operator makes with a given schedule:
 
     python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
                                        [--dtype bf16|fp32] [--gate] [--sass KERNEL,...] [--kernels REGEX]
+                                       [--chase]
 
 --sass prints the named kernels' static SASS opcode counts (nvdisasm): spill loads/stores, barriers, tensor-core
 and global-memory instructions. With SASS_DUMP=DIR it also writes their SASS listings there (each instruction's
@@ -76,6 +77,10 @@ def _record(args) -> list[dict]:
             obj = getattr(mod, name)
             if name.startswith("rewy_") and name.endswith("_kernel") or name.startswith("rewy_bwd_kernel"):
                 setattr(mod, name, Recorder(m, name, obj))
+    if args.chase:
+        from rewy_tune.kernels.triton import pipeline
+
+        pipeline.CONSUMER_CHASES_SCAN = True
     sched = Schedule.from_json(open(args.schedule).read()) if args.schedule else \
         default_schedule(args.op, (9, 0), args.head_dim, args.head_dim, args.dtype, args.policy)
     if args.gate:
@@ -201,7 +206,9 @@ def print_sass(name: str, opts: dict, cubin: bytes, asm: dict | None = None) -> 
         _dump("IR_DUMP", name, opts, ext, lambda: asm[ext])
 
 
-def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[str, float, int]]:
+def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = False) -> list[tuple[str, float, int]]:
+    """pdl: the kernels that publish to or chase the other (PUBLISH, CHASE) compile with PDL on, as on the H200
+    (the interpreter records them with it off)."""
     os.environ.pop("TRITON_INTERPRET", None)
     import importlib
 
@@ -214,8 +221,11 @@ def _compile(launches: list[dict], sass: set[str] = frozenset()) -> list[tuple[s
         for k, v in rec["kwargs"].items():
             if k in ("num_warps", "num_stages"):
                 opts[k] = v[1]
-            else:
+            elif k != "launch_pdl":  # (a launch option: the same code)
                 values[k] = v
+        if pdl and "PDL" in values and (values.get("CHASE", ("const", False))[1]
+                                        or values.get("PUBLISH", ("const", False))[1]):
+            values["PDL"] = ("const", True)
         sig, consts, attrs = sm90_signature(kernel, values)
         key = (rec["name"], json.dumps(consts, sort_keys=True, default=str), json.dumps(opts, sort_keys=True))
         if key in seen:
@@ -281,6 +291,8 @@ def main() -> None:
                     help="comma-separated kernel names whose static SASS instruction mix is printed")
     ap.add_argument("--kernels", default="", metavar="REGEX",
                     help="compile only the launches whose kernel name matches (e.g. 'scan' for the two scans)")
+    ap.add_argument("--chase", action="store_true",
+                    help="the consumer chasing the reverse scan (pipeline.CONSUMER_CHASES_SCAN), compiled with PDL")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -293,7 +305,7 @@ def main() -> None:
             import re
 
             launches = [rec for rec in launches if re.search(args.kernels, rec["name"])]
-        out = _compile(launches, set(filter(None, args.sass.split(","))))
+        out = _compile(launches, set(filter(None, args.sass.split(","))), pdl=args.chase)
         for name, s, shared, opts, usage in out:
             print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {usage}  {opts}")
         print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")

@@ -38,22 +38,29 @@ FLAG_VARIANTS = {
     # session 31 timed the reverse scan forming dv_local = A_qkᵀ dO from the forward's A_qk (no dv_local stage; the
     # policy-A default since then) as "dvl-in-scan"; this times the dv_local stage against it
     "dvl-stage": ({"DV_LOCAL_IN_SCAN": False}, {}),
+    # session 32: the consumer chasing the reverse scan in one launch each (DeltaNet/GDN under A)
+    "chase": ({"pipeline.CONSUMER_CHASES_SCAN": True}, {}),
 }
 
 
 @contextlib.contextmanager
 def vector_flags(flags: dict):
-    """Set vector_local's module flags for the duration (restored after)."""
-    from rewy_tune.kernels.triton import vector_local
+    """Set module flags for the duration (restored after): vector_local's by name, another module's of
+    kernels/triton as "module.NAME"."""
+    import importlib
 
-    old = {name: getattr(vector_local, name) for name in flags}
+    def where(key):
+        module, _, name = key.rpartition(".")
+        return importlib.import_module(f"rewy_tune.kernels.triton.{module or 'vector_local'}"), name
+
+    old = {key: getattr(*where(key)) for key in flags}
     try:
-        for name, value in flags.items():
-            setattr(vector_local, name, value)
+        for key, value in flags.items():
+            setattr(*where(key), value)
         yield
     finally:
-        for name, value in old.items():
-            setattr(vector_local, name, value)
+        for key, value in old.items():
+            setattr(*where(key), value)
 
 
 def variant_flags(name: str):
@@ -305,10 +312,8 @@ def main():
     if args.variants:
         keep = {"default", *args.variants.split(",")}
         plan = {op: {n: s for n, s in variants.items() if n in keep} for op, variants in plan.items()}
-        for op in ops:
-            if op in ("kda", "gdn2"):
-                plan[op].update({n: plan[op]["default"].replace(**FLAG_VARIANTS[n][1])
-                                 for n in keep if n in FLAG_VARIANTS})
+        for op in ops:  # (a flag of a module the operator does not run times its default)
+            plan[op].update({n: plan[op]["default"].replace(**FLAG_VARIANTS[n][1]) for n in keep if n in FLAG_VARIANTS})
     dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": cc}
     for op in ops:  # a variant over the shared-memory limit would only fail its compile (spill estimates still run)
         for name, sched in list(plan[op].items()):

@@ -4,6 +4,7 @@ the duration, and the variants' schedules pass the vector model."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -18,14 +19,20 @@ profile_stages = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_stages)
 
 
+def _flag(key):
+    """The current value of a variant's flag: vector_local's NAME or kernels/triton's "module.NAME"."""
+    module, _, name = key.rpartition(".")
+    return getattr(importlib.import_module(f"rewy_tune.kernels.triton.{module}") if module else vector_local, name)
+
+
 @pytest.mark.parametrize("name", list(profile_stages.FLAG_VARIANTS))
 def test_flag_variants_name_real_flags_and_valid_schedules(name):
     flags, changes = profile_stages.FLAG_VARIANTS[name]
-    before = {f: getattr(vector_local, f) for f in flags}  # AttributeError: a flag vector_local does not have
+    before = {f: _flag(f) for f in flags}  # AttributeError: a flag the module does not have
     assert all(type(v) is type(before[f]) and v != before[f] for f, v in flags.items()), (flags, before)
     with profile_stages.vector_flags(flags):
-        assert {f: getattr(vector_local, f) for f in flags} == flags
-    assert {f: getattr(vector_local, f) for f in flags} == before
+        assert {f: _flag(f) for f in flags} == flags
+    assert {f: _flag(f) for f in flags} == before
     for policy in ("R", "A"):
         sched = default_schedule((9, 0), op="kda", policy=policy).replace(**changes)
         assert vector.constraint(sched, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
