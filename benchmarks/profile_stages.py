@@ -24,7 +24,8 @@ from rewy_tune.search_spaces import constraint, default_schedule
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
 
-# Variants that set module flags of kernels/triton/vector_local.py (kernel choices outside the Schedule): name ->
+# Variants that set module flags of kernels/triton (vector_local.py's by name, another module's as "module.NAME";
+# kernel choices outside the Schedule): name ->
 # (flags, changes to the default schedule). Name them in --variants; the flags hold while the variant is profiled and
 # measured (a CUDA graph replays what its capture launched), and its kernels compile in this process, not ahead.
 # Session 26 timed the three consumer changes of session 25 (then flags) on and made them the default: LAST_ROW_LOAD,
@@ -43,29 +44,31 @@ FLAG_VARIANTS = {
 }
 
 
-@contextlib.contextmanager
-def vector_flags(flags: dict):
-    """Set module flags for the duration (restored after): vector_local's by name, another module's of
-    kernels/triton as "module.NAME"."""
+def flag_home(key: str):
+    """(module, attribute name) of a flag variant's flag: vector_local's NAME, or another kernels/triton module's
+    "module.NAME"."""
     import importlib
 
-    def where(key):
-        module, _, name = key.rpartition(".")
-        return importlib.import_module(f"rewy_tune.kernels.triton.{module or 'vector_local'}"), name
+    module, _, name = key.rpartition(".")
+    return importlib.import_module(f"rewy_tune.kernels.triton.{module or 'vector_local'}"), name
 
-    old = {key: getattr(*where(key)) for key in flags}
+
+@contextlib.contextmanager
+def module_flags(flags: dict):
+    """Set kernels/triton module flags (keys as `flag_home` reads them) for the duration (restored after)."""
+    old = {key: getattr(*flag_home(key)) for key in flags}
     try:
         for key, value in flags.items():
-            setattr(*where(key), value)
+            setattr(*flag_home(key), value)
         yield
     finally:
         for key, value in old.items():
-            setattr(*where(key), value)
+            setattr(*flag_home(key), value)
 
 
 def variant_flags(name: str):
-    """`vector_flags` of a flag variant; no flags for any other variant."""
-    return vector_flags(FLAG_VARIANTS.get(name, ({}, {}))[0])
+    """`module_flags` of a flag variant; no flags for any other variant."""
+    return module_flags(FLAG_VARIANTS.get(name, ({}, {}))[0])
 
 
 def kernel_times(op, policy, schedule, shape, K=128, V=128, reps=5, fn=None):

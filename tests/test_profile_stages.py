@@ -1,10 +1,9 @@
-"""benchmarks/profile_stages.py's flag variants: the vector consumer's flags they name exist and differ from their
+"""benchmarks/profile_stages.py's flag variants: the kernels/triton module flags they name exist and differ from their
 current values (a typo, or a flag since turned on, would time the default and call it a variant), are set only for
 the duration, and the variants' schedules pass the vector model."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from pathlib import Path
 
@@ -21,8 +20,7 @@ spec.loader.exec_module(profile_stages)
 
 def _flag(key):
     """The current value of a variant's flag: vector_local's NAME or kernels/triton's "module.NAME"."""
-    module, _, name = key.rpartition(".")
-    return getattr(importlib.import_module(f"rewy_tune.kernels.triton.{module}") if module else vector_local, name)
+    return getattr(*profile_stages.flag_home(key))
 
 
 @pytest.mark.parametrize("name", list(profile_stages.FLAG_VARIANTS))
@@ -30,7 +28,7 @@ def test_flag_variants_name_real_flags_and_valid_schedules(name):
     flags, changes = profile_stages.FLAG_VARIANTS[name]
     before = {f: _flag(f) for f in flags}  # AttributeError: a flag the module does not have
     assert all(type(v) is type(before[f]) and v != before[f] for f, v in flags.items()), (flags, before)
-    with profile_stages.vector_flags(flags):
+    with profile_stages.module_flags(flags):
         assert {f: _flag(f) for f in flags} == flags
     assert {f: _flag(f) for f in flags} == before
     for policy in ("R", "A"):
@@ -38,9 +36,9 @@ def test_flag_variants_name_real_flags_and_valid_schedules(name):
         assert vector.constraint(sched, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
 
 
-def test_vector_flags_restores_after_an_error():
+def test_module_flags_restores_after_an_error():
     before = vector_local.LAST_ROW_LOAD
     with pytest.raises(RuntimeError):
-        with profile_stages.vector_flags({"LAST_ROW_LOAD": not before}):
+        with profile_stages.module_flags({"LAST_ROW_LOAD": not before}):
             raise RuntimeError("a variant that fails")
     assert vector_local.LAST_ROW_LOAD is before

@@ -237,9 +237,9 @@ def _chased_chunk(NT, BH):
 @triton.jit
 def _wait_for_scan(progress, i_bh, i_t, NT, PROGRAMS: tl.constexpr, ON_GPU: tl.constexpr):
     """Wait until all PROGRAMS reverse-scan programs of head i_bh have published chunk i_t's dS1 and R̄
-    (`scan.reverse_state_scan_ranges(progress=)`): acquire loads of its counter, then a CTA barrier, so every thread's
-    later loads see the scan's stores. ON_GPU: the trap after CHASE_MAX_POLLS polls, and a proxy fence, since the tiles then
-    come through TMA (the async proxy) and the counter through ordinary loads."""
+    (`scan.reverse_state_scan_ranges(progress=)`): acquire loads of its counter, then a CTA barrier, so every
+    thread's later loads see the scan's stores. ON_GPU: the trap after CHASE_MAX_POLLS polls, and a proxy fence,
+    since the tiles then come through TMA (the async proxy) and the counter through ordinary loads."""
     p_f = progress + i_bh * NT + i_t
     n = tl.atomic_add(p_f, 0, sem="acquire", scope="gpu")
     polls = 0

@@ -540,9 +540,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
             if chase is not None:  # dv over dv_local, whose rows of a chunk the scan has read before publishing it
                 dv_out = dvl
-    # (chunk ranges: the scan's launches hold them until the last range has run). A chasing consumer runs while the
-    # scan still reads its inputs: they are held until it is launched, so that none of its buffers reuses their memory
-    scan_inputs = (W, scan_q, scan_k, scan_qk, scan_gk, G_scan) if chase is not None else ()
+    # (chunk ranges: the scan's launches hold them until the last range has run; a chasing consumer's `chase` holds
+    # what the scan reads until the consumer is launched, ScanProgress.reads)
     del dvl, W, scan_q, scan_k, scan_qk, scan_gk, G_scan
     if gate_made is not None:  # the deferred cumsum's G and gate range
         torch.cuda.current_stream(k.device).wait_event(gate_made)
@@ -563,7 +562,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     dq, dk, dv, dg, d_erase, d_write = consumer(
         q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, scale=scale, P=P, D=D, chunk_size=C,
         BK=cc.block_k, BV=cc.block_v, num_warps=cc.num_warps, num_stages=cc.num_stages, **given)
-    del scan_inputs
 
     # the consumers return dg itself: Ḡ's reverse in-chunk cumsum is formed in the program that holds the chunk
     if gate is None:  # with the in-kernel gate the caller takes dg on (vector_local: to the raw gate input)

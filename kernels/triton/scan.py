@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -329,11 +329,10 @@ def rewy_bwd_scan_kernel(
     # PUBLISH (PHASE 0; the consumer chases the scan, `reverse_state_scan_ranges(progress=)`): once a chunk's dS1
     #          and R̄ are stored, the program adds 1 to progress[bh, chunk] (int32, zeroed) with release semantics,
     #          at the top of the next chunk's step (the release waits for the stores: session 32's add right after
-    #          them cost the scan 0.4 µs a step);
-    #          the consumer of that chunk waits until all cdiv(V, BV) programs of its head have. PDL (on a GPU): the
-    #          consumer is launched as this kernel's programmatic dependent, and may start once every program of
-    #          this grid has started (griddepcontrol.launch_dependents here): a consumer CTA that waits never holds
-    #          an SM a scan program still needs.
+    #          them cost the scan 0.4 µs a step); the consumer of that chunk waits until all cdiv(V, BV) programs of
+    #          its head have. PDL (on a GPU): the consumer is launched as this kernel's programmatic dependent, and
+    #          may start once every program of this grid has started (griddepcontrol.launch_dependents here): a
+    #          consumer CTA that waits never holds an SM a scan program still needs.
     # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -781,11 +780,14 @@ class ScanProgress:
     """The reverse scan's per-chunk counters, for a consumer launched while the scan runs, which waits for each
     chunk (`reverse_state_scan_ranges(progress=)`). flags: int32 [B·H, NT], zero before the scan; programs: the scan
     programs per head (cdiv(V, BV)), each adding 1 to a chunk's count once it has stored that chunk; pdl: the
-    consumer is launched as the scan's programmatic dependent (`pdl_supported`)."""
+    consumer is launched as the scan's programmatic dependent (`pdl_supported`). reads: the tensors the scan
+    launch reads, which the scan puts here: whoever holds this object until the consumer is launched keeps their
+    memory from being handed to the consumer's buffers while the scan still reads it."""
 
     flags: torch.Tensor
     programs: int
     pdl: bool
+    reads: list = field(default_factory=list)
 
     def check(self, BH: int, NT: int, device: torch.device) -> None:
         f = self.flags
@@ -927,6 +929,7 @@ def reverse_state_scan_ranges(
         progress.check(B * H, NT, k.device)
         if progress.programs != NV:
             raise ValueError(f"progress counts {progress.programs} programs per head; this scan has {NV}")
+        progress.reads.extend((q, k, W, G, do, dvl, dht))  # (as launched: the copies contiguous() made, if any)
     flags = progress.flags if progress is not None else None
     pdl = progress is not None and progress.pdl
     # Scratch is allocated here, on the caller's stream, not in the launches, which the pipeline runs on its side

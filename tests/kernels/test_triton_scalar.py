@@ -764,6 +764,7 @@ def test_consumer_chases_the_scan(op, T, h0, monkeypatch):
     monkeypatch.setattr(pipeline, "run_dv_local", lambda *a, **kw: made.append(real_dvl(*a, **kw)) or made[-1])
     chased = run_triton(x, s, "A")
     assert len(seen) == 1 and seen[0] is not None and seen[0].programs == 1 and not seen[0].pdl
+    assert any(t is x["do"] for t in seen[0].reads)  # the counters hold what the scan reads until the consumer runs
     NT = -(-T // 32)
     assert torch.equal(seen[0].flags, torch.ones(4, NT, dtype=torch.int32))  # one program per head published each
     (grid, args), = launches
