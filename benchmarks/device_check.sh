@@ -12,7 +12,8 @@
 # counters of one backward's local kernels, benchmarks/one_backward.py; NCU_FLA_KERNELS adds FLA's), models
 # (benchmarks/model_check.py; needs FLA's model package carried too, which the image lacks (session 18):
 # bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0), combine (benchmarks/combine_bench.py: the
-# segment-combine kernel at 1-3 stages, COMBINE_S seconds).
+# segment-combine kernel at 1-3 stages, COMBINE_S seconds), scanbench (benchmarks/scan_bench.py: the reverse scan alone
+# per chunk step against FLA's, SCANBENCH_S seconds).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # TCACHE_SAVE=1 returns Triton's compile cache (binaries and metadata) as $OUT/tcache.tgz.part-*; put them in .tcache/
@@ -119,6 +120,10 @@ step_ncu() {  # hardware counters of our local kernels (Firecracker runtime only
 step_combine() {  # the segment-combine kernel at 1-3 stages (benchmarks/combine_bench.py, scan.COMBINE_CARRY_STAGES)
   timeout "${COMBINE_S:-150}" python3 benchmarks/combine_bench.py --json "$RES/combine.json" > "$OUT/combine.log" 2>&1
   echo "combine rc=$?"; grep -vE "Warning|warn" "$OUT/combine.log" | tail -12
+}
+step_scanbench() {  # the reverse scan alone per chunk step, against FLA's (benchmarks/scan_bench.py)
+  timeout "${SCANBENCH_S:-150}" python3 benchmarks/scan_bench.py --json "$RES/scan_bench.json" > "$OUT/scan_bench.log" 2>&1
+  echo "scanbench rc=$?"; grep -vE "Warning|warn|return \[o for o" "$OUT/scan_bench.log" | tail -45
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \

@@ -74,6 +74,11 @@ import triton.language as tl
 
 from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
+# EARLY_GATE_ROW (pregated vector gates, GATE 3 and 4): both scans load Γ_n, the chunk's last gate row, at the top of
+# each chunk step instead of right before the state update that multiplies by it. There the load sat in the step's
+# serial chain: the sm_90 TTGIR shows a plain global load (not pipelined) between R̄ and the update's products, a
+# memory latency every step, twice at K = 128. (FLA's reverse scan loads it first as well.) The same bits.
+EARLY_GATE_ROW = True
 # The kernels' GATE code for a vector gate whose scan operands K_t and Q_g were formed beforehand (scan_operands.py)
 GATE_VECTOR_PREGATED = 3
 # ... and whose Q_g comes without the scale s (fla-core's qg = Q ⊙ exp(G), kept by its save-all forward)
@@ -117,6 +122,14 @@ def _state_block_store(p, b, cols, m_col, ld: tl.constexpr, i_kb: tl.constexpr, 
 
 
 @triton.jit
+def _last_gate_row(G, tok_last, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr):
+    # the chunk's last gate row G_n at state rows [i_kb·KB, i_kb·KB + KB), fp32 (its exp is taken where it is used,
+    # so that nothing waits for the load before then)
+    o_k = i_kb * KB + tl.arange(0, KB)
+    return tl.load(G + tok_last * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _fwd_w_dot(acc, W, tok, m_row, b_s, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                PREC: tl.constexpr):
     # acc + W[:, block] · S[block]. S enters the product as the same cast value the per-chunk store writes (with
@@ -128,11 +141,11 @@ def _fwd_w_dot(acc, W, tok, m_row, b_s, i_kb: tl.constexpr, K: tl.constexpr, KB:
 
 
 @triton.jit
-def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, i_kb: tl.constexpr, K: tl.constexpr,
-                      KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn, i_kb: tl.constexpr, K: tl.constexpr,
+                      KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr, EARLY_GN: tl.constexpr):
     # S[block] ← Γ_n S[block] + K_t[:, block]ᵀ R, with K_tᵀ loaded transposed ([KB, BT]) from memory.
     # Scalar gate: b_rd already carries the row decay exp(G_n − G), b_egl = exp(G_n). GATE 3 (vector, pregated):
-    # k is K_t already (`scan_operands.py`), only Γ_n is left.
+    # k is K_t already (`scan_operands.py`), only Γ_n is left (EARLY_GN: its G_n as b_gn, loaded at the step's top).
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     m_kr = m_k[:, None] & m_row[None, :]
@@ -146,8 +159,11 @@ def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, i_kb: tl.con
         b_ktt = (b_ktt.to(tl.float32) * tl.where(m_kr, tl.exp(b_gl[:, None] - b_g), 0.0)).to(k.dtype.element_ty)
         b_s = b_s * tl.exp(b_gl)[:, None]
     elif GATE >= 3:
-        b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_s = b_s * tl.exp(b_gl)[:, None]
+        if EARLY_GN:
+            b_s = b_s * tl.exp(b_gn)[:, None]
+        else:
+            b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_s = b_s * tl.exp(b_gl)[:, None]
     return _mma(b_ktt, b_rd, b_s, PREC)
 
 
@@ -168,14 +184,15 @@ def _bwd_k_dot(acc, k, G, tok, tok_last, m_row, b_ds, i_kb: tl.constexpr, K: tl.
 
 
 @triton.jit
-def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, i_kb: tl.constexpr,
+def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn, scale, i_kb: tl.constexpr,
                       K: tl.constexpr, KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
-                      G_LOG2: tl.constexpr):
+                      G_LOG2: tl.constexpr, EARLY_GN: tl.constexpr):
     # dS[block] ← Γ_n dS[block] + Q_g[:, block]ᵀ dO − W[:, block]ᵀ R̄, Q_gᵀ and Wᵀ loaded transposed.
     # b_dod: dO (scalar gate / no gate: rows already scaled by s·exp(G)); b_nrb = −R̄ (input dtype).
     # GATE 3 (vector, pregated): q is Q_g = s·Q ⊙ exp(G) already (`scan_operands.py`), only Γ_n is left; GATE 4: q
     # is Q ⊙ exp(G) (fla-core's qg) and b_dod carries s. G_LOG2 (GATE ≥ 3 only): G is fla-core's own chunk cumsum in
     # log2 units (G·log2 e), so Γ_n = exp2(G_n): the scan need not wait for the backward's chunk cumsum.
+    # EARLY_GN (GATE ≥ 3): G_n comes as b_gn, loaded at the top of the step.
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     m_kr = m_k[:, None] & m_row[None, :]
@@ -189,7 +206,10 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
         b_qt = (b_qt.to(tl.float32) * (tl.exp(b_g) * scale)).to(q.dtype.element_ty)
         b_ds = b_ds * tl.exp(b_gl)[:, None]
     elif GATE >= 3:
-        b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if EARLY_GN:
+            b_gl = b_gn
+        else:
+            b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         if G_LOG2:
             b_ds = b_ds * tl.exp2(b_gl)[:, None]
         else:
@@ -204,7 +224,7 @@ def rewy_fwd_scan_kernel(
     T, NT, CPS, SEG_OFFSET,
     H, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, PHASE: tl.constexpr, USE_H_IN: tl.constexpr, PREC: tl.constexpr,
+    GATE: tl.constexpr, PHASE: tl.constexpr, USE_H_IN: tl.constexpr, PREC: tl.constexpr, EARLY_GN: tl.constexpr,
 ):
     # PHASE 0: scan chunks of segment s from the entering state h_in[bh, s] (or zero), storing S0 and R.
     # PHASE 1: augmented transfer scan of segment s (columns < V: bias from zero; VP + j: identity column j),
@@ -249,6 +269,19 @@ def rewy_fwd_scan_kernel(
         if GATE == 1:  # issued before the products for the same reason
             b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last).to(tl.float32)
+        # G_n per state block (EARLY_GN), also issued before the products
+        b_gn0 = 1.0
+        b_gn1 = 1.0
+        b_gn2 = 1.0
+        b_gn3 = 1.0
+        if GATE >= 3 and EARLY_GN:
+            b_gn0 = _last_gate_row(G, tok_last, 0, K, KB)
+            if NB > 1:
+                b_gn1 = _last_gate_row(G, tok_last, 1, K, KB)
+            if NB > 2:
+                b_gn2 = _last_gate_row(G, tok_last, 2, K, KB)
+            if NB > 3:
+                b_gn3 = _last_gate_row(G, tok_last, 3, K, KB)
         b_r = tl.zeros([BT, BV], dtype=tl.float32)
         b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s0, 0, K, KB, PREC)
         if NB > 1:
@@ -267,13 +300,17 @@ def rewy_fwd_scan_kernel(
             b_r = b_r * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[:, None]
             b_egl = tl.exp(b_gl)
         b_rd = b_r.to(dt)
-        b_s0 = _fwd_state_update(b_s0, k, G, tok, tok_last, m_row, b_rd, b_egl, 0, K, KB, GATE, PREC)
+        b_s0 = _fwd_state_update(b_s0, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn0, 0, K, KB, GATE, PREC,
+                                    EARLY_GN)
         if NB > 1:
-            b_s1 = _fwd_state_update(b_s1, k, G, tok, tok_last, m_row, b_rd, b_egl, 1, K, KB, GATE, PREC)
+            b_s1 = _fwd_state_update(b_s1, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn1, 1, K, KB, GATE, PREC,
+                                    EARLY_GN)
         if NB > 2:
-            b_s2 = _fwd_state_update(b_s2, k, G, tok, tok_last, m_row, b_rd, b_egl, 2, K, KB, GATE, PREC)
+            b_s2 = _fwd_state_update(b_s2, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn2, 2, K, KB, GATE, PREC,
+                                    EARLY_GN)
         if NB > 3:
-            b_s3 = _fwd_state_update(b_s3, k, G, tok, tok_last, m_row, b_rd, b_egl, 3, K, KB, GATE, PREC)
+            b_s3 = _fwd_state_update(b_s3, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn3, 3, K, KB, GATE, PREC,
+                                    EARLY_GN)
 
     if PHASE == 1:
         XW: tl.constexpr = VP + K
@@ -315,7 +352,7 @@ def rewy_bwd_scan_kernel(
     BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
     STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr, G_LOG2: tl.constexpr,
-    IN_CARRY: tl.constexpr, PUBLISH: tl.constexpr, PDL: tl.constexpr,
+    IN_CARRY: tl.constexpr, PUBLISH: tl.constexpr, PDL: tl.constexpr, EARLY_GN: tl.constexpr,
 ):
     # PHASE 0: reverse scan of segment s from dh_in[bh, s] (gradient at the segment's end; zero if absent),
     #          storing dS1 per chunk, R̄, and dh0 for segment 0. CARRY (chunk ranges, one launch each from the
@@ -377,6 +414,19 @@ def rewy_bwd_scan_kernel(
             if NB > 3:
                 _state_block_store(p_d, b_d3, cols, is_bias, V, 3, K, KB)
         m_rv = m_row[:, None] & is_bias[None, :]
+        # G_n per state block (EARLY_GN), issued before the products, whose time then hides the loads' latency
+        b_gn0 = 1.0
+        b_gn1 = 1.0
+        b_gn2 = 1.0
+        b_gn3 = 1.0
+        if GATE >= 3 and EARLY_GN:
+            b_gn0 = _last_gate_row(G, tok_last, 0, K, KB)
+            if NB > 1:
+                b_gn1 = _last_gate_row(G, tok_last, 1, K, KB)
+            if NB > 2:
+                b_gn2 = _last_gate_row(G, tok_last, 2, K, KB)
+            if NB > 3:
+                b_gn3 = _last_gate_row(G, tok_last, 3, K, KB)
         # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
         b_rb = tl.zeros([BT, BV], dtype=tl.float32)
         b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d0, 0, K, KB, GATE, PREC)
@@ -412,17 +462,17 @@ def rewy_bwd_scan_kernel(
         if PHASE == 0:
             tl.store(Rbar + tok[:, None] * V + cols[None, :], b_rb.to(Rbar.dtype.element_ty), mask=m_rv)
         b_nrb = (-b_rb).to(dt)
-        b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 0, K, KB, GATE,
-                                 PREC, G_LOG2)
+        b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn0, scale, 0, K, KB,
+                                 GATE, PREC, G_LOG2, EARLY_GN)
         if NB > 1:
-            b_d1 = _bwd_state_update(b_d1, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 1, K, KB,
-                                     GATE, PREC, G_LOG2)
+            b_d1 = _bwd_state_update(b_d1, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn1, scale, 1,
+                                     K, KB, GATE, PREC, G_LOG2, EARLY_GN)
         if NB > 2:
-            b_d2 = _bwd_state_update(b_d2, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 2, K, KB,
-                                     GATE, PREC, G_LOG2)
+            b_d2 = _bwd_state_update(b_d2, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn2, scale, 2,
+                                     K, KB, GATE, PREC, G_LOG2, EARLY_GN)
         if NB > 3:
-            b_d3 = _bwd_state_update(b_d3, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, scale, 3, K, KB,
-                                     GATE, PREC, G_LOG2)
+            b_d3 = _bwd_state_update(b_d3, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn3, scale, 3,
+                                     K, KB, GATE, PREC, G_LOG2, EARLY_GN)
 
     if PHASE == 0:
         if PUBLISH:  # the range's first chunk, the loop's last
@@ -748,7 +798,7 @@ def forward_state_scan(
     R = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device)
     KB, NB = _state_blocks(K)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, PREC=prec,
-                  num_warps=num_warps, num_stages=num_stages)
+                  EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
     h_in = h0
     if NS > 1:
         X = torch.empty(B * H, NS, K, VP + K, dtype=torch.float32, device=k.device)
@@ -920,7 +970,7 @@ def reverse_state_scan_ranges(
     KB, NB = _state_blocks(K)
     dvl_kind = 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
-                  PREC=prec, G_LOG2=gate_log2, num_warps=num_warps, num_stages=num_stages)
+                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     if progress is not None:
         if NS > 1 or len(ranges) > 1:

@@ -517,6 +517,48 @@ def test_scan_operands_pregated(op, policy, consumer, monkeypatch):
     assert_gates(pregated, oracle(x, C=32), ctx=f"{op} {policy} {consumer} pregated scan operands")
 
 
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_early_gate_row_same_bits(op, policy, monkeypatch):
+    # scan.EARLY_GATE_ROW: the pregated scans load G's last chunk row at the top of each step, not right before the
+    # state update that decays by it. Only the load moves: the same bits as the flag off (a tail, an initial state,
+    # strong decay on half the channels, both scans split), both flag values reach the launches, and the gate.
+    from rewy_tune.kernels.triton import scan
+
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=29, decay="mixed")
+    sched = BASE.replace(chunk_size=32, forward_scan_segments=2, reverse_scan_segments=2, scan_operands="pregated")
+    seen = []
+    for name in ("rewy_fwd_scan_kernel", "rewy_bwd_scan_kernel"):
+        spy_kernel_launches(monkeypatch, scan, name, lambda args, kw, grid: seen.append(kw["EARLY_GN"]))
+    early = run_triton(x, sched, policy)
+    assert seen and set(seen) == {True}
+    seen.clear()
+    monkeypatch.setattr(scan, "EARLY_GATE_ROW", False)
+    late = run_triton(x, sched, policy)
+    assert seen and set(seen) == {False}
+    assert_same_bits(early, late, ctx=f"{op} {policy} early gate row")
+    assert_gates(early, oracle(x, C=32), ctx=f"{op} {policy} early gate row")
+
+
+def test_early_gate_row_log2_scan_same_bits(monkeypatch):
+    # the policy-A scan on fla-core's operands (GATE 4: unscaled Q_g, G in log2 units), the flag on and off
+    from rewy_tune.kernels.triton import scan
+
+    gen = torch.Generator().manual_seed(31)
+    B, T, H, K, V, C = 1, 100, 2, 32, 32, 32
+    q, k, W = (torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16) for _ in range(3))
+    do = torch.randn(B, T, H, V, generator=gen).to(torch.bfloat16)
+    G = (-torch.rand(B, T, H, K, generator=gen) * 0.5).cumsum(1)  # (not chunk-local: only its last rows are read)
+    dht = torch.randn(B, H, K, V, generator=gen)
+    kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=16, pregated=True, q_scaled=False, gate_log2=True,
+              num_segments=2)
+    early = scan.reverse_state_scan(q, k, W, G, do, None, dht, **kw)
+    monkeypatch.setattr(scan, "EARLY_GATE_ROW", False)
+    late = scan.reverse_state_scan(q, k, W, G, do, None, dht, **kw)
+    for a, b, name in zip(early, late, ("dS1", "Rbar", "dh0")):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
 def test_gated_scan_operands_values():
     # K_t = k ⊙ exp(G_n − G) (G_n: the chunk's last row, a tail chunk's last valid row) and Q_g = s·q ⊙ exp(G),
     # rounded once to the input dtype, against float64; rows of the tail chunk included
@@ -1568,6 +1610,27 @@ def test_gpu_scan_operands_pregated(op, B, T, H, policy):
     pregated = run_triton(x, s.replace(scan_operands="pregated"), policy)
     assert_gates(pregated, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} pregated")
     assert_same_bits(pregated, run_triton(x, s.replace(scan_operands="inline"), policy), ctx="pregated vs inline")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 2048, 16), (1, 1000, 3)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_early_gate_row(op, B, T, H, policy, monkeypatch):
+    # scan.EARLY_GATE_ROW on each policy's default (split scans at (1, 512, 4), chunk ranges under A at (1, 2048, 16),
+    # a tail with strong decay on half the channels): the oracle's gate, the same bits run twice and with the flag off
+    from rewy_tune.kernels.triton import scan
+
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=T + H + 11, gate_div=16.0,
+                    decay="mixed" if T == 1000 else "normal")
+    s = _gpu_schedule(128, op, policy=policy)
+    assert scan.EARLY_GATE_ROW
+    early = run_triton(x, s, policy)
+    assert_gates(early, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} {policy} early gate row")
+    assert_same_bits(run_triton(x, s, policy), early, ctx="early gate row, run twice")
+    monkeypatch.setattr(scan, "EARLY_GATE_ROW", False)
+    assert_same_bits(run_triton(x, s, policy), early, ctx="early gate row against the late load")
 
 
 @pytest.mark.gpu
