@@ -387,8 +387,13 @@ VECTOR_H200 = {
 # session 29, GDN2 A 0.3778 -> 0.3592, 0.4057 -> 0.3892, 0.0634 -> 0.0632 (peak backward memory at (1, 2048, 16)
 # 147 -> 131 MiB: the two pregated tensors are gone). Gated on the H200 at the six bench shapes, both policies
 # (session 29, REWY_TEST_GPU_SET). Policy R keeps dv_local 32 x 16 at 8 warps (not swept with 64 x 4).
+# state_dtype "input": the reverse scan stores each chunk's dS1 in bf16, as FLA stores its dh (under A the forward's S0
+# is fla-core's bf16 h already). The consumer casts dS1 to bf16 for its R dS1ᵀ product either way; only the fp32
+# rowsum of S0 ⊙ dS1 (the gate adjoint) reads the rounded value. Session 33, benchmarks/scan_bench.py on the H200 (one
+# launch, T = 2048, 32 chunk steps): 101.5 -> 83.4 µs at B·H = 4, 118.7 -> 103.9 at B·H = 16 (FLA's reverse scan 45.6
+# and 48.3); test_gpu_bench_shapes gates both state dtypes at the six bench shapes, both policies.
 VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 3), "consumer_ranges": 0, "scan_operands": "forward",
-                        "dv_local": StageConfig(32, 64, 4, 3)}
+                        "dv_local": StageConfig(32, 64, 4, 3), "state_dtype": "input"}
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
