@@ -436,11 +436,11 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         assert r == vector.default_schedule((9, 0), op=op) == Schedule(**vector.VECTOR_H200)
         assert (r.reverse_scan.block_v, a.reverse_scan.block_v) == (32, 64)
         # and at 3 stages, with the consumer in chunk ranges beside it where it would split in few segments (auto)
-        # and, from session 29, the forward's qg, kg for the scans and dv_local 64 wide at 4 warps; from session 33
-        # bf16 per-chunk dS1 (the forward's S0 is fla-core's bf16 h under A)
+        # and, from session 29, the forward's qg, kg for the scans and dv_local 64 wide at 4 warps; since session 33
+        # both keep bf16 per-chunk states
         assert a == r.replace(reverse_scan={"block_v": 64, "num_stages": 3}, consumer_ranges=0,
-                              scan_operands="forward", dv_local={"block_v": 64, "num_warps": 4}, state_dtype="input")
-        assert (r.state_dtype, a.state_dtype) == ("fp32", "input")
+                              scan_operands="forward", dv_local={"block_v": 64, "num_warps": 4})
+        assert (r.state_dtype, a.state_dtype) == ("input", "input")
         assert (r.scan_operands, a.scan_operands) == ("pregated", "forward")
         assert vector.constraint(a, {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}) == []
         params = search.schedule_params(a, op=op, K=128, V=128, interpreter=False)
