@@ -41,6 +41,10 @@ FLAG_VARIANTS = {
     "dvl-stage": ({"DV_LOCAL_IN_SCAN": False}, {}),
     # session 32: the consumer chasing the reverse scan in one launch each (DeltaNet/GDN under A)
     "chase": ({"pipeline.CONSUMER_CHASES_SCAN": True}, {}),
+    # session 33: the pregated vector scans load the chunk's last gate row where the state update uses it (the
+    # default since then loads it at the top of the step), and the per-chunk states in fp32 (the default: bf16)
+    "late-gate-row": ({"scan.EARLY_GATE_ROW": False}, {}),
+    "late-gate-row-fp32": ({"scan.EARLY_GATE_ROW": False}, {"state_dtype": "fp32"}),
 }
 
 

@@ -365,11 +365,13 @@ def rewy_bwd_scan_kernel(
     #          stores the gradient at the segment's start into X[bh, s].
     # PUBLISH (PHASE 0; the consumer chases the scan, `reverse_state_scan_ranges(progress=)`): once a chunk's dS1
     #          and R̄ are stored, the program adds 1 to progress[bh, chunk] (int32, zeroed) with release semantics,
-    #          at the top of the next chunk's step (the release waits for the stores: session 32's add right after
-    #          them cost the scan 0.4 µs a step); the consumer of that chunk waits until all cdiv(V, BV) programs of
-    #          its head have. PDL (on a GPU): the consumer is launched as this kernel's programmatic dependent, and
-    #          may start once every program of this grid has started (griddepcontrol.launch_dependents here): a
-    #          consumer CTA that waits never holds an SM a scan program still needs.
+    #          at the top of the next chunk's step (so that the release need not wait for stores just issued; on the
+    #          H200 that was slower still: session 33's timeline at DeltaNet A (1, 2048, 16) had the scan at 72.7 µs,
+    #          session 32's add right after the stores 63.1, no publishing 49.2); the consumer of that chunk waits
+    #          until all cdiv(V, BV) programs of its head have. PDL (on a GPU): the consumer is launched as this
+    #          kernel's programmatic dependent, and may start once every program of this grid has started
+    #          (griddepcontrol.launch_dependents here): a consumer CTA that waits never holds an SM a scan program
+    #          still needs.
     # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
