@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
@@ -33,17 +32,6 @@ def _launch(stages, X, first, h_in, NS):
         USE_FIRST=True, REVERSE=True, PREC="tf32", num_warps=4, num_stages=stages)
 
 
-def _time_us(fn, launches=20, graphs=15) -> float:
-    """Median µs per launch of fn over `graphs` replays of one CUDA graph of `launches` launches."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    return statistics.median(measure._time_graphs([g], graphs)[0]) * 1000 / launches
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None)
@@ -62,7 +50,7 @@ def main() -> None:
         for name, stages in variants:
             h_in = torch.full((bh, ns, K, V), float("nan"), device="cuda")
             try:
-                us = _time_us(lambda: _launch(stages, X, first, h_in, ns))
+                us = measure.launch_time_us(lambda: _launch(stages, X, first, h_in, ns), launches=20)
             except Exception as exc:  # noqa: BLE001 - e.g. shared memory over the device's limit: recorded
                 cells.append(f"{'failed':>12}")
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import statistics
 
 import torch
 
@@ -122,18 +121,6 @@ def _compile_one(job) -> str:
         return f"{type(exc).__name__}: {exc}"[:200]
 
 
-def _time_us(fn, launches=10, graphs=15) -> float:
-    from rewy_tune import measure
-
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    return statistics.median(measure._time_graphs([g], graphs)[0]) * 1000 / launches
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None)
@@ -141,7 +128,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("scan_bench.py needs a CUDA GPU")
-    from rewy_tune import fla_baseline
+    from rewy_tune import fla_baseline, measure
 
     fla_baseline.autotune_here()
     jobs = [("scan", c) for c in SCANS] + [("combine", (w, bh, ns)) for w in COMBINE_WARPS
@@ -160,7 +147,7 @@ def main() -> None:
                 print(f"   {c[0]:26s} not compiled: {compiled[c]}")
         for name, make in rows:
             try:
-                us = _time_us(make())
+                us = measure.launch_time_us(make())
             except Exception as exc:  # noqa: BLE001 - one failing configuration does not end the run
                 print(f"   {name:26s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
                 continue
@@ -174,7 +161,7 @@ def main() -> None:
                 print(f"   B·H {bh} NS {ns} warps {w}: not compiled: {compiled[(w, bh, ns)]}")
                 continue
             fn, h_in = _combine_fn(w, bh, ns)
-            us = _time_us(fn)
+            us = measure.launch_time_us(fn)
             same = ref is None or torch.allclose(h_in, ref, rtol=1e-3, atol=1e-3)
             ref = h_in.clone() if ref is None else ref
             out["combine"][f"{bh},{ns},{w}"] = us

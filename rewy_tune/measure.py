@@ -207,6 +207,18 @@ def _time_graphs(graphs: list[torch.cuda.CUDAGraph], rounds: int) -> list[list[f
     return [[s.elapsed_time(e) for s, e in side] for side in events]
 
 
+def launch_time_us(fn: Callable[[], object], launches: int = 10, graphs: int = 15) -> float:
+    """Median µs per launch of `fn` (a kernel launch or a few): one eager call, then one CUDA graph of `launches` calls
+    replayed `graphs` times (the single-kernel benchmarks: benchmarks/scan_bench.py, combine_bench.py)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    return statistics.median(_time_graphs([g], graphs)[0]) * 1000 / launches
+
+
 def measure_shape(op: str, ours: OpFn, fla: OpFn | None, shape: tuple[int, int, int], *, K: int = 128,
                   V: int = 128, rounds: int = MIN_ROUNDS, seed: int = 0, device="cuda",
                   extras: bool = True) -> ShapeResult:

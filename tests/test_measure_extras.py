@@ -84,3 +84,30 @@ def test_fewer_rounds_than_the_protocol_are_refused_before_any_capture(monkeypat
     assert StubSide.made == []  # refused before the inputs were captured
     with pytest.raises(ValueError, match="rounds: the protocol needs at least 30 observations, got 5"):
         measure.time_captured([], rounds=5)
+
+
+def test_launch_time_us_replays_one_graph_of_the_launches(monkeypatch):
+    # CPU, the CUDA parts stubbed: one eager call, `launches` calls captured, the per-launch median of the replays
+    calls, graphs = [], []
+
+    class Graph:
+        def __init__(self):
+            graphs.append(self)
+
+    class Capture:
+        def __init__(self, g):
+            calls.append("capture")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(measure.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(measure.torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(measure.torch.cuda, "graph", Capture)
+    monkeypatch.setattr(measure, "_time_graphs", lambda gs, rounds: [[0.5, 0.2, 0.3][:rounds]])
+    us = measure.launch_time_us(lambda: calls.append("launch"), launches=4, graphs=3)
+    assert calls == ["launch", "capture"] + ["launch"] * 4 and len(graphs) == 1
+    assert math.isclose(us, 0.3 * 1000 / 4)  # the median replay (ms) over 4 launches, in µs

@@ -123,10 +123,28 @@ def _state_block_store(p, b, cols, m_col, ld: tl.constexpr, i_kb: tl.constexpr, 
 
 @triton.jit
 def _last_gate_row(G, tok_last, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr):
-    # the chunk's last gate row G_n at state rows [i_kb·KB, i_kb·KB + KB), fp32 (its exp is taken where it is used,
-    # so that nothing waits for the load before then)
+    # the chunk's last gate row G_n at state rows [i_kb·KB, i_kb·KB + KB), fp32
     o_k = i_kb * KB + tl.arange(0, KB)
     return tl.load(G + tok_last * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _early_gate_rows(G, tok_last, K: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, GATE: tl.constexpr,
+                     EARLY_GN: tl.constexpr):
+    # G_n per state block where EARLY_GN loads it at the top of a chunk step (pregated vector gates; else 1.0, unread).
+    # Its exp is taken where the state update uses it, so that nothing waits for the loads before then; blocks past NB
+    # repeat the first and are never read.
+    b0, b1, b2, b3 = 1.0, 1.0, 1.0, 1.0
+    if GATE >= 3 and EARLY_GN:
+        b0 = _last_gate_row(G, tok_last, 0, K, KB)
+        b1, b2, b3 = b0, b0, b0
+        if NB > 1:
+            b1 = _last_gate_row(G, tok_last, 1, K, KB)
+        if NB > 2:
+            b2 = _last_gate_row(G, tok_last, 2, K, KB)
+        if NB > 3:
+            b3 = _last_gate_row(G, tok_last, 3, K, KB)
+    return b0, b1, b2, b3
 
 
 @triton.jit
@@ -269,19 +287,7 @@ def rewy_fwd_scan_kernel(
         if GATE == 1:  # issued before the products for the same reason
             b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
             b_gl = tl.load(G + tok_last).to(tl.float32)
-        # G_n per state block (EARLY_GN), also issued before the products
-        b_gn0 = 1.0
-        b_gn1 = 1.0
-        b_gn2 = 1.0
-        b_gn3 = 1.0
-        if GATE >= 3 and EARLY_GN:
-            b_gn0 = _last_gate_row(G, tok_last, 0, K, KB)
-            if NB > 1:
-                b_gn1 = _last_gate_row(G, tok_last, 1, K, KB)
-            if NB > 2:
-                b_gn2 = _last_gate_row(G, tok_last, 2, K, KB)
-            if NB > 3:
-                b_gn3 = _last_gate_row(G, tok_last, 3, K, KB)
+        b_gn0, b_gn1, b_gn2, b_gn3 = _early_gate_rows(G, tok_last, K, KB, NB, GATE, EARLY_GN)  # also issued first
         b_r = tl.zeros([BT, BV], dtype=tl.float32)
         b_r = _fwd_w_dot(b_r, W, tok, m_row, b_s0, 0, K, KB, PREC)
         if NB > 1:
@@ -417,18 +423,7 @@ def rewy_bwd_scan_kernel(
                 _state_block_store(p_d, b_d3, cols, is_bias, V, 3, K, KB)
         m_rv = m_row[:, None] & is_bias[None, :]
         # G_n per state block (EARLY_GN), issued before the products, whose time then hides the loads' latency
-        b_gn0 = 1.0
-        b_gn1 = 1.0
-        b_gn2 = 1.0
-        b_gn3 = 1.0
-        if GATE >= 3 and EARLY_GN:
-            b_gn0 = _last_gate_row(G, tok_last, 0, K, KB)
-            if NB > 1:
-                b_gn1 = _last_gate_row(G, tok_last, 1, K, KB)
-            if NB > 2:
-                b_gn2 = _last_gate_row(G, tok_last, 2, K, KB)
-            if NB > 3:
-                b_gn3 = _last_gate_row(G, tok_last, 3, K, KB)
+        b_gn0, b_gn1, b_gn2, b_gn3 = _early_gate_rows(G, tok_last, K, KB, NB, GATE, EARLY_GN)
         # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
         b_rb = tl.zeros([BT, BV], dtype=tl.float32)
         b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d0, 0, K, KB, GATE, PREC)
