@@ -57,7 +57,8 @@ registers (Triton 3.6 on Hopper miscompiles tl.trans of wgmma-layout values; FLA
 Vector gates (GATE 2) form K_t = K ⊙ exp(G_n − G) and Q_g = s·Q ⊙ exp(G) per element in the chunk loop, casting
 them to the input dtype for the products. With ``pregated=True`` (GATE 3, Schedule.scan_operands "pregated") the
 launchers take K_t for k and Q_g for q as `scan_operands.gated_scan_operands` formed them, with the same expressions,
-and the loop loads G's last row only (Γ_n): the same bits, fewer loads and registers in the serial loop. GATE 4
+and the loop loads G's last row only (Γ_n), at the top of each chunk step (EARLY_GATE_ROW): the same bits, fewer
+loads and registers in the serial loop. GATE 4
 (the reverse scan with ``q_scaled=False``, Schedule.scan_operands "forward"): q is fla-core's saved qg = Q ⊙ exp(G)
 without s, and the scan scales dO by s before its Q_gᵀ dO product, as it does without a gate (GATE 0).
 """
