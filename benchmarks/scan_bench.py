@@ -69,7 +69,6 @@ def _scan_fn(cfg, x):
     from rewy_tune.kernels.triton import scan
 
     _, gate, BV, warps, stages, state, in_scan, *early = cfg
-    scan.EARLY_GATE_ROW = early[0] if early else True
     kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=BV, num_warps=warps, num_stages=stages,
               state_dtype=torch.float32 if state == "fp32" else torch.bfloat16, num_segments=1)
     if gate == "kda":

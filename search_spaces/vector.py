@@ -337,9 +337,14 @@ VECTOR_H200 = {
     "producer": StageConfig(64, 64, 4, 2),
     "consumer_cfg": StageConfig(64, 64, 8, 1),
     "cumsum": StageConfig(64, 64, 4, 1),
-    # bf16 per-chunk states (S0 of the forward scan, dS1 of the reverse scan), as FLA stores h and dh: see
-    # VECTOR_H200_POLICY_A's note (session 33); session 17's sweep (KDA R, 32-wide scans) had them 2.4 % faster at
-    # (1, 2048, 16) and even at (1, 512, 4)
+    # bf16 per-chunk states (S0 of the forward scan, dS1 of the reverse scan), as FLA stores h and dh (under A the
+    # forward's S0 is fla-core's bf16 h already). The scans accumulate in fp32; the consumer casts both to bf16 for its
+    # products either way, and only the fp32 rowsum of S0 ⊙ dS1 (the gate adjoint) reads the rounded values. Session
+    # 33, benchmarks/scan_bench.py on the H200 (the policy-A reverse scan, one launch, T = 2048, 32 chunk steps):
+    # 101.5 -> 83.4 µs at B·H = 4, 118.7 -> 103.9 at B·H = 16 (FLA's reverse scan 45.6 and 48.3); with the early gate
+    # row the six-shape benches went KDA R 1.518 -> 1.653x, A 1.573 -> 1.670x, GDN2 R 1.644 -> 1.790x, A 1.772 ->
+    # 1.853x (benchmarks/RESULTS.md). test_gpu_bench_shapes gates both state dtypes at the six shapes, both policies.
+    # (Session 17's sweep had them 2.4 % faster at KDA R (1, 2048, 16) already.)
     "state_dtype": "input", "consumer": "joint", "pd_dtype": "fp32", "intra": "auto", "intra_precision": "ieee",
     "forward_scan_segments": 4, "reverse_scan_segments": 8, "dv_local_source": "forward",
     # The split limited to waves of programs (vector scans skip the "split pays" rule, scan.py). Two waves
@@ -390,11 +395,6 @@ VECTOR_H200 = {
 # session 29, GDN2 A 0.3778 -> 0.3592, 0.4057 -> 0.3892, 0.0634 -> 0.0632 (peak backward memory at (1, 2048, 16)
 # 147 -> 131 MiB: the two pregated tensors are gone). Gated on the H200 at the six bench shapes, both policies
 # (session 29, REWY_TEST_GPU_SET). Policy R keeps dv_local 32 x 16 at 8 warps (not swept with 64 x 4).
-# state_dtype "input" (VECTOR_H200, both policies): the reverse scan stores each chunk's dS1 in bf16, as FLA stores its
-# dh (under A the forward's S0 is fla-core's bf16 h already). The consumer casts dS1 to bf16 for its R dS1ᵀ product either way; only the fp32
-# rowsum of S0 ⊙ dS1 (the gate adjoint) reads the rounded value. Session 33, benchmarks/scan_bench.py on the H200 (one
-# launch, T = 2048, 32 chunk steps): 101.5 -> 83.4 µs at B·H = 4, 118.7 -> 103.9 at B·H = 16 (FLA's reverse scan 45.6
-# and 48.3); test_gpu_bench_shapes gates both state dtypes at the six bench shapes, both policies.
 VECTOR_H200_POLICY_A = {"reverse_scan": StageConfig(128, 64, 4, 3), "consumer_ranges": 0, "scan_operands": "forward",
                         "dv_local": StageConfig(32, 64, 4, 3)}
 

@@ -179,10 +179,10 @@ def _fwd_state_update(b_s, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn, i_kb: 
         b_s = b_s * tl.exp(b_gl)[:, None]
     elif GATE >= 3:
         if EARLY_GN:
-            b_s = b_s * tl.exp(b_gn)[:, None]
+            b_gl = b_gn
         else:
-            b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_s = b_s * tl.exp(b_gl)[:, None]
+            b_gl = _last_gate_row(G, tok_last, i_kb, K, KB)
+        b_s = b_s * tl.exp(b_gl)[:, None]
     return _mma(b_ktt, b_rd, b_s, PREC)
 
 
@@ -228,7 +228,7 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
         if EARLY_GN:
             b_gl = b_gn
         else:
-            b_gl = tl.load(G + tok_last * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_gl = _last_gate_row(G, tok_last, i_kb, K, KB)
         if G_LOG2:
             b_ds = b_ds * tl.exp2(b_gl)[:, None]
         else:
@@ -308,16 +308,16 @@ def rewy_fwd_scan_kernel(
             b_egl = tl.exp(b_gl)
         b_rd = b_r.to(dt)
         b_s0 = _fwd_state_update(b_s0, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn0, 0, K, KB, GATE, PREC,
-                                    EARLY_GN)
+                                 EARLY_GN)
         if NB > 1:
             b_s1 = _fwd_state_update(b_s1, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn1, 1, K, KB, GATE, PREC,
-                                    EARLY_GN)
+                                     EARLY_GN)
         if NB > 2:
             b_s2 = _fwd_state_update(b_s2, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn2, 2, K, KB, GATE, PREC,
-                                    EARLY_GN)
+                                     EARLY_GN)
         if NB > 3:
             b_s3 = _fwd_state_update(b_s3, k, G, tok, tok_last, m_row, b_rd, b_egl, b_gn3, 3, K, KB, GATE, PREC,
-                                    EARLY_GN)
+                                     EARLY_GN)
 
     if PHASE == 1:
         XW: tl.constexpr = VP + K
