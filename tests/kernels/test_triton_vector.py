@@ -1699,7 +1699,11 @@ _TF32X3_BF16_CASE = r"""
 import torch
 from rewy_tune import measure
 from rewy_tune.search_spaces import default_schedule
-sched = default_schedule((9, 0), K=128, V=128, op="kda").replace(intra_precision="tf32x3")
+# session 25's H200 default (its GPU suite xfailed here), not today's: the V loops at the consumer's one stage and
+# fp32 states. With session 33's default (V loops at 2 stages, bf16 states) the same Triton 3.6 ran it clean
+# (session 34, call 1), so a case that follows the default stops reporting the fault without any Triton fix.
+sched = default_schedule((9, 0), K=128, V=128, op="kda").replace(intra_precision="tf32x3", consumer_v_stages=1,
+                                                                  state_dtype="fp32")
 side = measure._Side("kda", measure.rewy_op_fn("kda", "R", sched), measure.bench_inputs("kda", (1, 512, 4), 128, 128,
                      "cuda"))
 side.forward(); side.backward(); torch.cuda.synchronize()
