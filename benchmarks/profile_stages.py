@@ -227,8 +227,8 @@ def variants_for(op: str, base):
             # session 15: two programs per chunk, each over half the K tiles (32 programs at (1, 512, 4))
             out["tma-k2"] = base.replace(consumer_k_split=2)
             out["tma-k1"] = base.replace(consumer_k_split=1)  # session 17: against the "auto" default (0)
-            # session 16: dq and Ḡ's query side in their own stage, beside the side stream's reverse scan (the
-            # consumer skips 6 of its 30 tile products: sm_90 GDN 4 040 -> 3 408 instructions; the stage 1 800)
+            # session 16: dq and Ḡ's query side in their own stage, beside the side stream's reverse scan; since
+            # session 34 dk's query part too (the consumer skips 10 of its 30 tile products and reads no dO or Q)
             out["dq-sep"] = base.replace(dq_stage="separate")
             out["dq-sep-k2"] = base.replace(dq_stage="separate", consumer_k_split=2)
             # session 18: the consumer in chunk ranges, each beside the reverse scan of the earlier chunks (policy A,

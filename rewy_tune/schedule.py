@@ -45,10 +45,11 @@ before the reverse scan (policy A with the forward's W, unless dq_stage is "sepa
 programs per chunk, each running phase 1 and its share of phase 2's K tiles, the row gradients summed over K from
 fp32 parts (more programs where B·H is small, phase 1 repeated); 0 chooses 2 or 1 from the grid at launch (2 where
 twice the chunks still fit in one wave of the consumer's CTAs). ``dq_stage`` is read by joint_tma only: "consumer"
-forms dq (and Ḡ's query side) in the consumer; "separate" forms them in a stage of their own
-(``kernels/triton/query_side.py``), which reads dO, R, S0, Q, K and G but nothing of the reverse scan, so it runs on
-the main stream while the side stream runs dv_local and the reverse scan (under policy A too), and the consumer skips
-its dO S0ᵀ and Γ_q K products. ``consumer_ranges`` is read by joint_tma and by the vector gates' joint consumer,
+forms dq (and Ḡ's query side) in the consumer; "separate" forms them and dk's query part (every product with dO or
+Q) in a stage of their own (``kernels/triton/query_side.py``), which reads dO, R, S0, Q, K and G but nothing of the
+reverse scan, so it runs on the main stream while the side stream runs the reverse scan (under policy A after
+dv_local, in order), and the consumer completes dk in place, reading neither dO nor Q. On compute capability 9.x with
+16-bit inputs the constraint rejects it (dk changed from run to run there, session 34). ``consumer_ranges`` is read by joint_tma and by the vector gates' joint consumer,
 where the reverse scan runs last and alone (not beside the forward scan) and does not split: n > 1 cuts the chunks into n ranges; the reverse scan runs one range per
 launch from the last, on the side stream, and the consumer of each range is launched on the main stream as soon as
 the scan has finished it, beside the scan of the earlier ranges (the scan's B·H·V/BV programs leave most SMs idle

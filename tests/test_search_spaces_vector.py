@@ -145,6 +145,19 @@ def test_scalar_constraint_rejects_the_miscompiled_recompute_stage():
     assert search.constraint_violation(bad, op="gdn", K=128, V=128, compute_capability=(9, 0)) is not None
 
 
+def test_scalar_constraint_rejects_the_query_side_stage_on_sm90_16bit():
+    # session 34: dk changed from run to run with the query-side stage beside the reverse scan (H200, bf16)
+    base = scalar.default_schedule((9, 0))
+    sep = base.replace(dq_stage="separate")
+    assert base.consumer == "joint_tma" and scalar.constraint(base, H200) == []
+    assert any(r.startswith("dq_stage='separate' with 16-bit inputs") for r in scalar.constraint(sep, H200))
+    assert scalar.query_side_fault_reasons(sep, 4, (9, 0)) == []  # fp32 inputs: gated on the H200, kept
+    assert scalar.query_side_fault_reasons(sep, 2, (8, 0)) == [] == scalar.query_side_fault_reasons(sep, 2, None)
+    # the pointer consumer does not read the field
+    assert scalar.query_side_fault_reasons(sep.replace(consumer="joint"), 2, (9, 0)) == []
+    assert search.constraint_violation(sep, op="deltanet", K=128, V=128, compute_capability=(9, 0)) is not None
+
+
 def test_scalar_model_is_what_let_the_failures_through():
     # The reason for the vector model: the scalar one (which the gdn2 campaign used) accepted both failures —
     # and it still holds for scalar gates, whose scans load no fp32 [C, K] gate tiles.

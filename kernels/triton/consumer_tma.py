@@ -105,11 +105,15 @@ def _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, 
 
 @triton.jit
 def _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K: tl.constexpr, t0, i_k, BT: tl.constexpr,
-                 BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, USE_G: tl.constexpr):
+                 BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, USE_G: tl.constexpr, WITH_Q: tl.constexpr):
     """dk's column side B_Qᵀ + B_Kᵀ = Qᵀ Γ_q + (eK)ᵀ Γ_r, stored transposed into the fp32 scratch (read back as rows
-    after a CTA barrier, never through tl.trans of an MMA result); returns Ḡ's column-side accumulator."""
-    b_bt = _mma(tl.trans(b_q).to(DT), b_gq, PREC)
-    b_bt += _mma(tl.trans(b_kf * b_e[:, None]).to(DT), b_gr, PREC)
+    after a CTA barrier, never through tl.trans of an MMA result); returns Ḡ's column-side accumulator. WITH_Q
+    False: (eK)ᵀ Γ_r alone (the query-side stage made Γ_qᵀ Q; b_q and b_gq are not read)."""
+    if WITH_Q:
+        b_bt = _mma(tl.trans(b_q).to(DT), b_gq, PREC)
+        b_bt += _mma(tl.trans(b_kf * b_e[:, None]).to(DT), b_gr, PREC)
+    else:
+        b_bt = _mma(tl.trans(b_kf * b_e[:, None]).to(DT), b_gr, PREC)
     p_ct = tl.make_block_ptr(dk_col, (K, T), (1, H * K), (i_k * BK, t0), (BK, BT), (0, 1))
     tl.store(p_ct, b_bt, boundary_check=(0, 1))
     if USE_G:
@@ -119,11 +123,14 @@ def _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K: tl.const
 
 @triton.jit
 def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC: tl.constexpr,
-                 USE_G: tl.constexpr):
+                 USE_G: tl.constexpr, WITH_Q: tl.constexpr):
     """dk's column side as rows, Γ_qᵀ Q + Γ_rᵀ (eK), from Γ_qᵀ and Γ_rᵀ loaded transposed (column_side "gamma_t");
-    returns it and Ḡ's column-side accumulator."""
-    b_brow = _mma(b_gqt, b_q.to(DT), PREC)
-    b_brow += _mma(b_grt, (b_kf * b_e[:, None]).to(DT), PREC)
+    returns it and Ḡ's column-side accumulator. WITH_Q False: Γ_rᵀ (eK) alone (b_gqt and b_q are not read)."""
+    if WITH_Q:
+        b_brow = _mma(b_gqt, b_q.to(DT), PREC)
+        b_brow += _mma(b_grt, (b_kf * b_e[:, None]).to(DT), PREC)
+    else:
+        b_brow = _mma(b_grt, (b_kf * b_e[:, None]).to(DT), PREC)
     if USE_G:
         b_gb_col += tl.sum(b_kf * b_brow, axis=1)
     return b_brow, b_gb_col
@@ -132,7 +139,7 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, progress,
+    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, dkq, progress,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -180,11 +187,12 @@ def rewy_bwd_kernel_consumer_tma(
     b_dwr = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, (V + BV - 1) // BV):
         b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV)
-        b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV)
         b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
         b_D += _mma(b_p.to(DT), tl.trans(b_r).to(DT), PREC)
-        b_H += _mma(b_do.to(DT), tl.trans(b_r).to(DT), PREC)
-        b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
+        if not DQ_GIVEN:  # (given: the query-side stage formed H and its diagonal; dO is not read here)
+            b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV)
+            b_H += _mma(b_do.to(DT), tl.trans(b_r).to(DT), PREC)
+            b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
         b_dwr += tl.sum(_tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV).to(tl.float32) * b_p, axis=1)
         if KSPLIT == 1:  # (constexpr branches: k_split 1 compiles to the unsplit kernel)
             dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
@@ -195,18 +203,22 @@ def rewy_bwd_kernel_consumer_tma(
 
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_D = tl.where(m_lt, -b_D, 0.0)
-    b_gq, b_gr = _gamma_matrices(b_H, b_D, b_g, m_lt, scale, DT, USE_G)
+    # (DQ_GIVEN: Γ_q is the query-side stage's; the stand-in Γ_q formed from D here is never read)
+    b_gq, b_gr = _gamma_matrices(b_D if DQ_GIVEN else b_H, b_D, b_g, m_lt, scale, DT, USE_G)
     if GAMMA_T:
         # Γ_q, Γ_r once through this chunk's scratch, read back transposed (a loaded tile, not tl.trans of an MMA
         # result: FLA issue 640): dk's column side then comes out as rows, without the fp32 dk_col round trip
         gam += i_scr * 2 * BT * BT
         o_c = tl.arange(0, BT)
-        tl.store(gam + o_i[:, None] * BT + o_c[None, :], b_gq)
+        if not DQ_GIVEN:
+            tl.store(gam + o_i[:, None] * BT + o_c[None, :], b_gq)
         tl.store(gam + BT * BT + o_i[:, None] * BT + o_c[None, :], b_gr)
     if GAMMA_T or STORE_P:
         tl.debug_barrier()  # the scratch tiles are read back by other threads of this CTA
+    b_gqt = b_gq  # (a stand-in where Γ_qᵀ is not read: DQ_GIVEN, or column_side "scratch")
     if GAMMA_T:
-        b_gqt = tl.load(tl.make_block_ptr(gam, (BT, BT), (1, BT), (0, 0), (BT, BT), (0, 1)))
+        if not DQ_GIVEN:
+            b_gqt = tl.load(tl.make_block_ptr(gam, (BT, BT), (1, BT), (0, 0), (BT, BT), (0, 1)))
         b_grt = tl.load(tl.make_block_ptr(gam + BT * BT, (BT, BT), (1, BT), (0, 0), (BT, BT), (0, 1)))
 
     b_der = tl.zeros([BT], dtype=tl.float32)
@@ -237,7 +249,7 @@ def rewy_bwd_kernel_consumer_tma(
                                     b_gb, scale, i_b, t0, i_h, i_k, BT, BK, DT, PREC, USE_G)
             if not GAMMA_T:
                 b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0,
-                                        i_k, BT, BK, DT, PREC, USE_G)
+                                        i_k, BT, BK, DT, PREC, USE_G, not DQ_GIVEN)
         b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
         for i_v in range(0, (V + BV - 1) // BV):
@@ -257,25 +269,34 @@ def rewy_bwd_kernel_consumer_tma(
                 b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
             b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
 
-        # loaded after the V loop: shorter live ranges (the split path loads them again for dk's rows)
-        b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
+        # loaded after the V loop: shorter live ranges (the split path loads them again for dk's rows). DQ_GIVEN
+        # reads no Q: K stands in for it where it is not read
         b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
-        b_qf = b_q.to(tl.float32)
         b_kf = b_k.to(tl.float32)
+        if DQ_GIVEN:
+            b_q = b_k
+            b_qf = b_kf
+        else:
+            b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
+            b_qf = b_q.to(tl.float32)
         if not SPLIT_DQ:
             if not GAMMA_T:
                 b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT,
-                                        PREC, USE_G)
+                                        PREC, USE_G, not DQ_GIVEN)
             if not DQ_GIVEN:
                 b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
                                     BT, BK, DT, PREC, USE_G)
 
         b_ak = _mma(b_gr, b_k.to(DT), PREC)
         b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
-                                              b_der, b_gb, b_tail, scale, USE_G)
+                                              b_der, b_gb, b_tail, scale, USE_G, not DQ_GIVEN)
+        if DQ_GIVEN:  # dk's query part, which the query-side stage wrote into dk (read by a block pointer, not
+            # through the descriptor this kernel stores dk with; session 34 timed both, and both raced under R)
+            p_q = tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+            b_dkr += tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
 
         if GAMMA_T:
-            b_brow, b_gb_col = _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT, PREC, USE_G)
+            b_brow, b_gb_col = _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT, PREC, USE_G, not DQ_GIVEN)
             b_dkr += b_brow
         else:
             tl.debug_barrier()
@@ -315,12 +336,13 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                  one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False,
-                 k_split: int = 1, dq=None, gbq=None, chunk_ranges=None, dv_out=None, chase=None):
+                 k_split: int = 1, dq=None, gbq=None, dk=None, chunk_ranges=None, dv_out=None, chase=None):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
     phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
     kept from phase 1 for phase 2; ``k_split``: programs per chunk, each over its share of the K tiles (module
-    docstring); ``dq`` (and with a gate ``gbq``, Ḡ's query side): made by the query-side stage (``query_side.py``),
-    returned as given, and the kernel skips the dO S0ᵀ and Γ_q K products. ``chunk_ranges``: an iterable of chunk
+    docstring); ``dq``, ``dk`` (dk's query part) and with a gate ``gbq`` (Ḡ's query side): made by the query-side stage
+    (``query_side.py``); dq is returned as given, dk completed in place, and the kernel forms no product with dO or Q
+    (nor H or Γ_q) and reads neither. ``chunk_ranges``: an iterable of chunk
     ranges (c0, c1) covering the chunks once, one launch each (Schedule.consumer_ranges: the pipeline's iterator
     runs the reverse scan of each range first); None: one launch over every chunk. Same bits either way. ``dv_out``:
     the buffer dv is written to (v's shape and dtype, contiguous; None: a new one). Under consumer ranges the
@@ -344,9 +366,15 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         raise ValueError(f"a given dq must have q's shape {tuple(q.shape)}, and gbq be given exactly when G is; got "
                          f"{tuple(dq.shape)}, gbq {'given' if gbq is not None else None}, G "
                          f"{'given' if G is not None else None}")
+    if dq_given != (dk is not None) or (dk is not None and (tuple(dk.shape) != tuple(k.shape) or dk.dtype != k.dtype
+                                                            or not dk.is_contiguous())):
+        raise ValueError(f"dk (the query-side stage's query part) must be given exactly when dq is, contiguous with "
+                         f"k's shape {tuple(k.shape)} and dtype {k.dtype}; got "
+                         f"{None if dk is None else (tuple(dk.shape), dk.dtype)} with dq "
+                         f"{'given' if dq_given else None}")
     if not dq_given:
         dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
+        dk = torch.empty_like(k)
     dv = output_buffer(dv_out, v, "dv_out")
     C = chunk_size
     if gamma_t:  # Γ_q, Γ_r per chunk in the operand dtype, read back transposed
@@ -376,7 +404,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
             raise ValueError("chase: the chasing consumer runs in one launch; pass no chunk_ranges with it")
     for c0, c1 in checked_ranges(chunk_ranges, NT):
         rewy_bwd_kernel_consumer_tma[(c1 - c0, B * H, k_split)](
-            *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq,
+            *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq, dk if dq_given else None,
             chase.flags if chase is not None else None,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,

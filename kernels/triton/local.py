@@ -299,22 +299,25 @@ def _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G: tl.const
 
 @triton.jit
 def _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last, b_der, b_gb, b_tail, scale,
-             USE_G: tl.constexpr):
+             USE_G: tl.constexpr, SELF_Q: tl.constexpr = True):
     """dk's row side e γ Ē_dir + e A_K + τ K̄_t + s⟨dO, R⟩ Q (Ē_dir = −P S0ᵀ = −b_pe), accumulating d_erase, Ḡ and
-    the τ⟨K, K̄_t⟩ tail terms."""
+    the τ⟨K, K̄_t⟩ tail terms. SELF_Q False leaves out the self term s⟨dO, R⟩ Q (the query-side stage made it;
+    b_hd and b_qf are not read)."""
     b_edir = -b_pe
     if USE_G:
         # ⟨K, γĒ_dir + A_K⟩ is d_erase's and (times e) Ḡ's erase-side term: one row sum for both
         b_ea = b_gamma[:, None] * b_edir + b_ak
         b_kea = tl.sum(b_kf * b_ea, axis=1)
         b_kkt = tl.sum(b_kf * b_kt, axis=1)
-        b_dkr = b_e[:, None] * b_ea + b_tau[:, None] * b_kt + (scale * b_hd)[:, None] * b_qf
+        b_dkr = b_e[:, None] * b_ea + b_tau[:, None] * b_kt
         b_der += b_kea
         b_gb += b_e * b_kea
         b_tail += tl.where(is_last, 0.0, b_tau * b_kkt)
     else:
-        b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt + (scale * b_hd)[:, None] * b_qf
+        b_dkr = b_e[:, None] * (b_edir + b_ak) + b_kt
         b_der += tl.sum(b_kf * (b_edir + b_ak), axis=1)
+    if SELF_Q:
+        b_dkr += (scale * b_hd)[:, None] * b_qf
     return b_dkr, b_der, b_gb, b_tail
 
 

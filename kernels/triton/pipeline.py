@@ -18,7 +18,8 @@ recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels
 policy A with "forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages
 run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
 ("reverse_scan") the reverse scan beside the forward scan too. dq_stage "separate" (joint_tma) → the query-side stage
-(`query_side.py`: dq and Ḡ's query side) on the main stream once S0 and R exist, beside the reverse scan.
+(`query_side.py`: dq, dk's query part and Ḡ's query side) on the main stream once S0 and R exist, beside the reverse
+scan.
 consumer_ranges > 1 (joint_tma; where the reverse scan runs last and alone) → the reverse scan in chunk ranges on
 the side stream (`scan.reverse_state_scan_ranges`), each range's consumer on the main stream after its scan range
 (`_scan_beside_consumer`). scan_operands "pregated" (vector gates) → `scan_operands.gated_scan_operands` forms K_t and
@@ -165,7 +166,7 @@ def _separate_query_side(schedule: Schedule) -> bool:
 
 
 def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, dq_first: bool,
-                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, chunk_ranges=None,
+                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, dk=None, chunk_ranges=None,
                      dv_out=None, chase=None, **kw):
     """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
     (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding (it forms dq
@@ -173,7 +174,7 @@ def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: 
     as usual, it runs after it (the scan's programmatic launch only lets a dependent launched as one start early)."""
     if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
         return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, dq_first=dq_first, gamma_t=gamma_t,
-                            store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, chunk_ranges=chunk_ranges,
+                            store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, dk=dk, chunk_ranges=chunk_ranges,
                             dv_out=dv_out, chase=chase, **kw)
     for _ in chunk_ranges or ():  # the pointer kernel runs once, after the whole reverse scan
         pass
@@ -370,9 +371,9 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     `dv_local(q, k, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages, out=None)` and
     `consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale, P, D, chunk_size, BK, BV,
     num_warps, num_stages) -> (dq, dk, dv, dg, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
-    `query_side(q, k, R, S0, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages) -> (dq, Ḡ_q)`
-    (Schedule.dq_stage "separate": `query_side.py`): run on the main stream once S0 and R exist, beside the side
-    stream's reverse scan; the consumer then takes dq=, gbq=. Inputs are checked by the caller, but for W (policy A's
+    `query_side(q, k, R, S0, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages) -> (dq, dk_q, Ḡ_q)`
+    (Schedule.dq_stage "separate": `query_side.py`): run on the main stream once S0 and R exist (and, policy A with
+    the forward's W, after dv_local), beside the side stream's reverse scan; the consumer then takes dq=, dk=, gbq=. Inputs are checked by the caller, but for W (policy A's
     forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
     scan_qk (vector gates, Schedule.scan_operands "forward"): (qg, kg), fla-core's saved Q ⊙ exp(G) and
     K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t. A
@@ -483,13 +484,19 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     gate_made = _cumsum_beside(g, cumsum_later, k.device)  # (None: in order, or nothing deferred)
 
     dS1 = Rbar = dh0 = None
-    dq_made = None  # (dq, Ḡ_q) from the query-side stage
+    dq_made = None  # (dq, dk's query part, Ḡ_q) from the query-side stage
+    # Policy A with the forward's W: only dv_local runs before the reverse scan, and the scan's first step needs it.
+    # dv_local then runs first on the main stream, and the query-side stage after it, beside the scan: started
+    # together with dv_local it held the SMs the scan's programs wait for (session 17, DeltaNet A (1, 2048, 16): the
+    # stages' device times added up, 1 % faster in all)
+    lone_scan = W is not None and S0 is not None
     try:
         dvl = None  # (scan_aqk: the reverse scan forms dv_local)
         if side is not None and scan_aqk is None:  # fork: dv_local reads q, k, G and dO only
             dvl = torch.empty_like(do)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
+            if not lone_scan:
+                side.wait_stream(main)
+            with torch.cuda.stream(main if lone_scan else side):
                 dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                          num_warps=dl.num_warps, num_stages=dl.num_stages, out=dvl)
         rc = sc.recompute
@@ -552,7 +559,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         P, D = run_producer(A, Rbar, R, chunk_size=C, BV=pr.block_v, num_warps=pr.num_warps,
                             num_stages=pr.num_stages, pd_dtype=_dtype_of("pd_dtype", sc.pd_dtype, q.dtype))
     cc = sc.consumer_cfg
-    given = {} if dq_made is None else {"dq": dq_made[0], "gbq": dq_made[1]}
+    given = {} if dq_made is None else {"dq": dq_made[0], "dk": dq_made[1], "gbq": dq_made[2]}
     if ranges is not None:
         given.update(chunk_ranges=ranges, dv_out=dv_out)
     if chase is not None:  # the next launch on this stream: nothing may run between the scan and it

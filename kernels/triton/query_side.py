@@ -1,21 +1,27 @@
 """The query side of the scalar-gate consumer (DeltaNet, GDN) as its own stage: ``Schedule.dq_stage == "separate"``.
 
-dq and the query side of Ḡ read no output of the reverse scan (rewy-math §§5–6.2; the consumer's docstring in
-``local.py``):
+Every term of the backward that reads dO reads no output of the reverse scan (rewy-math §§5–6.2; the consumer's
+docstring in ``local.py``):
 
-    H   = dO Rᵀ                       (its strict lower part, scaled and gated: Γ_q = s H_< ⊙ Λ)
-    dq  = s γ (dO S0ᵀ) + Γ_q K + s ⟨dO, R⟩ K     (the last term: H's diagonal, the self-term split)
-    Ḡ_q = ⟨Q, s γ (dO S0ᵀ) + Γ_q K⟩             (per row; GDN only)
+    H    = dO Rᵀ                         (its strict lower part, scaled and gated: Γ_q = s H_< ⊙ Λ)
+    dq   = s γ (dO S0ᵀ) + Γ_q K + s ⟨dO, R⟩ K      (the last term: H's diagonal, the self-term split)
+    dk_q = Γ_qᵀ Q + s ⟨dO, R⟩ Q                    (dk's query part: its column side's Γ_q half and the self term)
+    Ḡ_q  = ⟨Q, s γ (dO S0ᵀ) + Γ_q K⟩ − ⟨K, Γ_qᵀ Q⟩  (per row; GDN only)
 
-Only dO, R, S0, Q, K and G: under policy R they exist once the forward scan is done, under A from the start. So
-this stage can run on the main stream while the side stream runs dv_local and the reverse scan
-(``Schedule.side_stream``), and the joint_tma consumer, given dq and Ḡ_q, skips its dO S0ᵀ products and the
-A_Q = Γ_q K product (6 of its 30 tile products per chunk at K = V = 128, 64 × 64 tiles). H is formed twice (here
-and in the consumer, which needs Γ_q for dk's column side): 2 of those products, off the critical path.
+Only dO, R, S0, Q, K and G: under policy R they exist once the forward scan is done, under A once dv_local has run
+(which the reverse scan needs first). So this stage runs on the main stream while the side stream runs the reverse
+scan (``Schedule.side_stream``). It writes dk_q into the dk buffer in dk's dtype; the joint_tma consumer, given dq,
+Ḡ_q and that buffer, adds the rest of dk to it and forms neither H, Γ_q nor any product with dO or Q (10 of its 30
+tile products per chunk at K = V = 128, 64 × 64 tiles), and reads neither dO nor Q.
 
-One program per (chunk, batch·head), the consumer's tiles (``consumer_cfg``): phase 1 a V loop for H and ⟨dO, R⟩,
-phase 2 per K tile a V loop for dO S0ᵀ, then the dq rows (``local._dq_rows``, the consumer's own epilogue). Block
-pointers: the kernel runs on any GPU and under the interpreter.
+Γ_qᵀ comes from its own product Hᵀ = R dOᵀ, on dOᵀ loaded transposed (a transposed dot result is never an operand,
+FLA issue 640): no scratch round trip, no CTA barrier. With 32 KB of shared memory and
+160 registers (sm_90, 64 × 64 tiles, 4 warps, 2 stages) one of its CTAs fits beside a reverse-scan program (176 KB)
+on an SM, so it does not keep the scan from its SMs.
+
+One program per (chunk, batch·head), the consumer's tiles (``consumer_cfg``): phase 1 a V loop for H, Hᵀ and
+⟨dO, R⟩, phase 2 per K tile a V loop for dO S0ᵀ, then the dq rows (``local._dq_rows``, the consumer's own epilogue)
+and dk_q. Block pointers: the kernel runs on any GPU and under the interpreter.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from .recompute import mm as _mma
 
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_query_side(
-    q, k, R, do, S0, G, dq, gbq,
+    q, k, R, do, S0, G, dq, dk, gbq,
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -43,27 +49,40 @@ def rewy_bwd_kernel_query_side(
     q += bos * K
     k += bos * K
     dq += bos * K
+    dk += bos * K
     R += bos * V
     do += bos * V
     DT = k.dtype.element_ty
     b_g, b_gn, b_gamma, b_tau = _row_gates(G, tok, m_row, is_last, BT, USE_G)
 
-    # Phase 1: H = dO Rᵀ and its diagonal ⟨dO, R⟩ per row
+    # Phase 1: H = dO Rᵀ, Hᵀ = R dOᵀ and H's diagonal ⟨dO, R⟩ per row
     b_H = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Ht = tl.zeros([BT, BT], dtype=tl.float32)
     b_hd = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, (V + BV - 1) // BV):
+        # each orientation its own load: one loaded tile feeding two products, once under tl.trans, gave dk that
+        # changed from run to run on the H200 (session 34, Triton 3.6, sm_90)
         p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
+        p_dot = tl.make_block_ptr(do, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
         p_r = tl.make_block_ptr(R, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_H += _mma(b_do.to(DT), tl.load(p_rt, boundary_check=(0, 1)).to(DT), PREC)
-        b_hd += tl.sum(b_do.to(tl.float32) * tl.load(p_r, boundary_check=(0, 1)).to(tl.float32), axis=1)
+        p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
+        b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
+        b_r = tl.load(p_r, boundary_check=(0, 1)).to(DT)
+        b_H += _mma(b_do, tl.load(p_rt, boundary_check=(0, 1)).to(DT), PREC)
+        b_Ht += _mma(b_r, tl.load(p_dot, boundary_check=(0, 1)).to(DT), PREC)
+        b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
-    # Γ_q = s H_< ⊙ Λ, by the consumer's own helper; its Γ_r (here formed from a stand-in, b_H) is not used, and
-    # the compiler drops it
+    # Γ_q = s H_< ⊙ Λ by the consumer's own helper (its Γ_r, here formed from a stand-in, is dropped); Γ_qᵀ the same
+    # from Hᵀ on the transposed mask, Λᵀ[i, j] = exp(g_j − g_i)
     b_gq, _ = _gamma_matrices(b_H, b_H, b_g, m_lt, scale, DT, USE_G)
+    m_ut = (o_i[:, None] < o_i[None, :]) & m_row[:, None] & m_row[None, :]
+    if USE_G:
+        b_lamt = tl.exp(tl.where(m_ut, b_g[None, :] - b_g[:, None], 0.0))
+        b_gqt = tl.where(m_ut, b_Ht * b_lamt * scale, 0.0).to(DT)
+    else:
+        b_gqt = tl.where(m_ut, b_Ht * scale, 0.0).to(DT)
 
-    # Phase 2: per K tile Q̄_g = dO S0ᵀ over V, then the consumer's dq epilogue
+    # Phase 2: per K tile Q̄_g = dO S0ᵀ over V, then the consumer's dq epilogue and dk_q
     b_gb = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(0, (K + BK - 1) // BK):
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -76,20 +95,28 @@ def rewy_bwd_kernel_query_side(
         p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         b_q = tl.load(p_q, boundary_check=(0, 1))
         b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
         b_aq = _mma(b_gq, b_k.to(DT), PREC)
-        b_dq, b_gb = _dq_rows(b_qg, b_aq, b_q.to(tl.float32), b_k.to(tl.float32), b_hd, b_gamma, b_gb, scale, USE_G)
+        b_dq, b_gb = _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G)
         p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
         tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
+        b_bq = _mma(b_gqt, b_q.to(DT), PREC)  # Γ_qᵀ Q, dk's column side from the query
+        if USE_G:
+            b_gb -= tl.sum(b_kf * b_bq, axis=1)  # Ḡ's column side, −⟨K, Γ_qᵀ Q⟩
+        b_dkq = b_bq + (scale * b_hd)[:, None] * b_qf
+        p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        tl.store(p_dk, b_dkq.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
     if USE_G:
         tl.store(gbq + tok, tl.where(m_row, b_gb, 0.0), mask=m_row)
 
 
 def query_side(q, k, R, S0, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
-               num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dq [B,T,H,K] in q's dtype and Ḡ's query side [B,T,H] fp32 (None without a gate: G None).
+               num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq and dk_q [B,T,H,K] in q's and k's dtype, and Ḡ's query side [B,T,H] fp32 (None without a gate: G None).
 
     q, k [B,T,H,K]; R, do [B,T,H,V]; S0 [B,NT,H,K,V] (the forward scan's per-chunk states); G None | [B,T,H] fp32
-    (the chunk-local cumulative gate)."""
+    (the chunk-local cumulative gate). dk_q is dk's query part, which the joint_tma consumer completes in place."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     C = chunk_size
@@ -101,10 +128,11 @@ def query_side(q, k, R, S0, G, do, *, scale: float, chunk_size: int = 64, BK: in
     if G is not None and tuple(G.shape) != (B, T, H):
         raise ValueError(f"G must be None or a scalar gate [B,T,H]={(B, T, H)}, got {tuple(G.shape)}")
     dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
     gbq = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
     rewy_bwd_kernel_query_side[(NT, B * H)](
-        q, k, R, do, S0, G, dq, gbq, T, NT, float(scale),
+        q, k, R, do, S0, G, dq, dk, gbq, T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    return dq, gbq
+    return dq, dk, gbq

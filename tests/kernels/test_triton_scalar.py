@@ -468,9 +468,9 @@ def test_side_stream_forks_and_joins_in_order(mode, policy, order, monkeypatch):
 @pytest.mark.parametrize("policy,order", [
     ("R", ["side waits main", "dv_local on side", "recompute on main", "side waits main", "reverse_scan on side",
            "forward_scan on main", "query_side on main", "main waits side", "consumer on main"]),
-    # policy A with the forward's W: the query-side stage is the work beside dv_local and the reverse scan
-    ("A", ["side waits main", "dv_local on side", "side waits main", "reverse_scan on side", "query_side on main",
-           "main waits side", "consumer on main"]),
+    # policy A with the forward's W: dv_local first, in order, then the query-side stage beside the reverse scan
+    ("A", ["dv_local on main", "side waits main", "reverse_scan on side", "query_side on main", "main waits side",
+           "consumer on main"]),
 ])
 def test_query_side_stage_runs_beside_the_reverse_scan(policy, order, monkeypatch):
     log = []
@@ -768,7 +768,7 @@ def test_consumer_chases_the_scan(op, T, h0, monkeypatch):
     NT = -(-T // 32)
     assert torch.equal(seen[0].flags, torch.ones(4, NT, dtype=torch.int32))  # one program per head published each
     (grid, args), = launches
-    assert grid == (NT, 4, 1) and args[22] is seen[0].flags  # one launch over every chunk, reading the counters
+    assert grid == (NT, 4, 1) and any(a is seen[0].flags for a in args)  # one launch, every chunk, the counters
     assert chased["dv"] is made[0]
     assert_same_bits(chased, after, ctx=f"{op} chase")
     assert_gates(chased, oracle(x, C=32), ctx=f"{op} chase")
@@ -1047,8 +1047,8 @@ def test_query_side_stage_runs_once_and_feeds_the_consumer(monkeypatch):
 
     def stage(*a, **kw):
         log.append("query_side")
-        made["dq"], gbq = real(*a, **kw)
-        return made["dq"], gbq
+        made["dq"], made["dk"], gbq = real(*a, **kw)
+        return made["dq"], made["dk"], gbq
 
     monkeypatch.setattr(pipeline, "query_side", stage)
     for attr in ("forward_state_scan", "reverse_state_scan", "consumer_tma"):
@@ -1057,7 +1057,7 @@ def test_query_side_stage_runs_once_and_feeds_the_consumer(monkeypatch):
     x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=59)
     out = run_triton(x, BASE.replace(consumer="joint_tma", dq_stage="separate"))
     assert log == ["forward_state_scan", "query_side", "reverse_state_scan", "consumer_tma"]
-    assert out["dq"] is made["dq"]
+    assert out["dq"] is made["dq"] and out["dk"] is made["dk"]  # dk: its query part completed in place
     log.clear()
     run_triton(x, BASE.replace(consumer="joint", dq_stage="separate"))  # the pointer consumer does not read it
     assert "query_side" not in log
@@ -1074,6 +1074,14 @@ def test_tma_consumer_rejects_a_mismatched_given_dq():
         consumer_tma(*args, **kw, dq=torch.zeros_like(q), gbq=None)
     with pytest.raises(ValueError, match=r"a given dq must have q's shape"):
         consumer_tma(*args, **kw, dq=torch.zeros_like(q)[:, :-1], gbq=torch.zeros(q.shape[:3]))
+    # dk's query part comes with dq, in k's shape and dtype: the kernel adds the rest of dk to it in place
+    gbq = torch.zeros(q.shape[:3])
+    with pytest.raises(ValueError, match=r"dk \(the query-side stage's query part\) must be given exactly when dq is"):
+        consumer_tma(*args, **kw, dq=torch.zeros_like(q), gbq=gbq)
+    with pytest.raises(ValueError, match=r"must be given exactly when dq is, contiguous with k's shape"):
+        consumer_tma(*args, **kw, dk=torch.zeros_like(args[1]))
+    with pytest.raises(ValueError, match=r"and dtype torch.float32; got \(.*torch.float64\)"):
+        consumer_tma(*args, **kw, dq=torch.zeros_like(q), gbq=gbq, dk=torch.zeros_like(args[1], dtype=torch.float64))
 
 
 def test_query_side_rejects_bad_shapes():
@@ -1114,18 +1122,39 @@ def test_gpu_tma_dq_first_bf16(op, B, T, H):
 @pytest.mark.parametrize("B,T,H", [(2, 2048, 16), (1, 1000, 4)])
 def test_gpu_query_side_stage(op, B, T, H, policy):
     # dq_stage "separate" on the main stream beside the side stream's reverse scan: the same bits as in order (waves
-    # 0: the scans split alike either way), the bf16 gate, and fp32 inputs to the project gate
+    # 0: the scans split alike either way), the bf16 gate, and fp32 inputs to the project gate. bf16 policy R at
+    # B·H = 32 is the open race of test_gpu_query_side_stage_race_beside (the constraint rejects the stage there).
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7, gate_div=1.0)
     s = _gpu_default().replace(consumer="joint_tma", dq_stage="separate", scan_split_waves=0)
     in_order, beside = run_triton(x, s.replace(side_stream="none"), policy), run_triton(x, s, policy)
-    for n in NAMES:
-        if in_order[n] is not None:
-            assert torch.equal(in_order[n], beside[n]), n
+    if not (policy == "R" and B * H == 32):
+        for n in NAMES:
+            if in_order[n] is not None:
+                assert torch.equal(in_order[n], beside[n]), n
     assert_bf16(beside, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
                 f"gpu {op} {B},{T},{H} {policy} dq_stage separate")
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.float32, device="cuda", seed=B * T + H + 8, gate_div=1.0)
     s = _gpu_default("fp32").replace(consumer="joint_tma", dq_stage="separate")
     assert_gates(run_triton(x, s, policy), oracle(x), ctx=f"gpu fp32 {op} {B},{T},{H} {policy} dq_stage separate")
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.xfail(strict=True, reason="H200 session 34: dk and dg of the query-side stage beside the reverse scan "
+                                       "change from run to run (bf16, policy R; rejected by scalar.query_side_fault_"
+                                       "reasons)")
+def test_gpu_query_side_stage_race_beside():
+    # Session 34 (the same case as benchmarks/query_side_race.py): GDN policy R at (2, 2048, 16), 8 of 8 runs beside
+    # the reverse scan differed from the in-order run in dk and dg (DeltaNet: 3 of 8, dk), while dq, dv and dh0
+    # kept their bits and every in-order run repeated its own. XPASS reports the race gone; then the constraint may let it back in.
+    x = make_inputs("gdn", 2, 2048, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=4103, gate_div=1.0)
+    s = _gpu_default().replace(consumer="joint_tma", dq_stage="separate", scan_split_waves=0)
+    in_order = run_triton(x, s.replace(side_stream="none"), "R")
+    for _ in range(8):
+        beside = run_triton(x, s, "R")
+        for n in NAMES:
+            if in_order[n] is not None:
+                assert torch.equal(in_order[n], beside[n]), n
 
 
 @pytest.mark.gpu
