@@ -1,7 +1,8 @@
 """When does each kernel of one backward start and end, replayed in a CUDA graph? (Session 32: the consumer
 chasing the reverse scan ran no faster than after it; this shows whether it started before the scan ended.)
 
-    python benchmarks/chase_timeline.py --op deltanet --policy A --shape 1,2048,16 [--chase]
+    python benchmarks/chase_timeline.py --op deltanet --policy A --shape 1,2048,16 [--chase] [--set FIELD=VALUE]
+                                        [--flag MODULE.NAME=INT]
 
 Prints, per kernel of the third of three profiled replays, its start and end in µs from the first kernel's start.
 """
@@ -9,10 +10,12 @@ Prints, per kernel of the third of three profiled replays, its start and end in 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import torch
 
 from rewy_tune import fla_baseline, measure
+from rewy_tune.cli import bench
 from rewy_tune.kernels.triton import pipeline
 from rewy_tune.search_spaces import default_schedule
 
@@ -23,11 +26,21 @@ def main() -> None:
     ap.add_argument("--policy", default="A")
     ap.add_argument("--shape", default="1,2048,16")
     ap.add_argument("--chase", action="store_true", help="pipeline.CONSUMER_CHASES_SCAN on")
+    ap.add_argument("--set", action="append", default=None, metavar="FIELD=VALUE",
+                    help="change the default schedule (as rewy-tune bench --set)")
+    ap.add_argument("--flag", action="append", default=None, metavar="MODULE.NAME=INT",
+                    help="set a kernels/triton module flag (as profile_stages' flag variants), e.g. "
+                         "pipeline.CONSUMER_CHASES_SCAN=1")
     args = ap.parse_args()
+    for item in args.flag or ():  # (held for the process)
+        key, _, value = item.partition("=")
+        module, _, name = key.rpartition(".")
+        setattr(importlib.import_module(f"rewy_tune.kernels.triton.{module}"), name, int(value))
     fla_baseline.bypass_hopper_guard()
     pipeline.CONSUMER_CHASES_SCAN = args.chase
     shape = tuple(int(x) for x in args.shape.split(","))
-    sched = default_schedule(torch.cuda.get_device_capability(), op=args.op, policy=args.policy)
+    sched = bench.apply_overrides(default_schedule(torch.cuda.get_device_capability(), op=args.op,
+                                                   policy=args.policy), bench.parse_overrides(args.set))
     side = measure._Side(args.op, measure.rewy_op_fn(args.op, args.policy, sched),
                          measure.bench_inputs(args.op, shape, 128, 128, "cuda"))
     side.capture(fwd_bwd=False)

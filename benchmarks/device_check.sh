@@ -13,7 +13,8 @@
 # (benchmarks/model_check.py; needs FLA's model package carried too, which the image lacks (session 18):
 # bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0), combine (benchmarks/combine_bench.py: the
 # segment-combine kernel at 1-3 stages, COMBINE_S seconds), scanbench (benchmarks/scan_bench.py: the reverse scan alone
-# per chunk step against FLA's, SCANBENCH_S seconds).
+# per chunk step against FLA's, SCANBENCH_S seconds), timeline (benchmarks/chase_timeline.py once per "|"-separated
+# argument list in TIMELINE_RUNS: each kernel's start and end in a replayed graph).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # TCACHE_SAVE=1 returns Triton's compile cache (binaries and metadata) as $OUT/tcache.tgz.part-*; put them in .tcache/
@@ -124,6 +125,16 @@ step_combine() {  # the segment-combine kernel at 1-3 stages (benchmarks/combine
 step_scanbench() {  # the reverse scan alone per chunk step, against FLA's (benchmarks/scan_bench.py)
   timeout "${SCANBENCH_S:-150}" python3 benchmarks/scan_bench.py --json "$RES/scan_bench.json" > "$OUT/scan_bench.log" 2>&1
   echo "scanbench rc=$?"; grep -vE "Warning|warn|return \[o for o" "$OUT/scan_bench.log" | tail -45
+}
+step_timeline() {  # kernel start/end in a replayed graph (benchmarks/chase_timeline.py); TIMELINE_RUNS: its
+  # argument lists, separated by "|" (e.g. "--shape 1,2048,16 | --shape 1,2048,16 --set dq_stage=separate")
+  local IFS='|' run
+  for run in ${TIMELINE_RUNS:---op deltanet --policy A --shape 1,2048,16}; do
+    IFS=' '; echo "== timeline $run"
+    # shellcheck disable=SC2086
+    timeout "${TIMELINE_S:-120}" python3 benchmarks/chase_timeline.py $run 2>&1 \
+      | grep -vE "Warning|warn|return \[o for o"
+  done
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \
