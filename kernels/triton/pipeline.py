@@ -373,8 +373,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     num_warps, num_stages) -> (dq, dk, dv, dg, d_erase, d_write)` (scalar: `local.py`, vector: `vector_local.py`).
     `query_side(q, k, R, S0, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages) -> (dq, dk_q, Ḡ_q)`
     (Schedule.dq_stage "separate": `query_side.py`): run on the main stream once S0 and R exist (and, policy A with
-    the forward's W, after dv_local), beside the side stream's reverse scan; the consumer then takes dq=, dk=, gbq=. Inputs are checked by the caller, but for W (policy A's
-    forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
+    the forward's W, after dv_local), beside the side stream's reverse scan; the consumer then takes dq=, dk=, gbq=.
+    Inputs are checked by the caller, but for W (policy A's forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
     scan_qk (vector gates, Schedule.scan_operands "forward"): (qg, kg), fla-core's saved Q ⊙ exp(G) and
     K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t. A
     triple (qg, kg, gk) adds fla-core's own chunk cumsum gk = G·log2 e (fp32, its save-all keeps it): the reverse
