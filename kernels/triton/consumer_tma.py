@@ -47,11 +47,13 @@ SMs); the split trades a repeated phase 1 (6 of the chunk's 30 tile products at 
 programs and half the serial chain each. sm_90 (the GDN H200 default at 4 warps): 255 registers either way, stack
 0 → 48 B with k_split 2. Not yet timed.
 
-``Schedule.dq_stage == "separate"`` (``dq`` given, ``DQ_GIVEN``): dq and Ḡ's query side come from the query-side
-stage (``query_side.py``), which ran beside the reverse scan; this kernel skips Q̄_g = dO S0ᵀ and A_Q = Γ_q K (6 of
-its 30 tile products at K = V = 128) and adds the given Ḡ_q to its row sums (program 0 of a chunk under k_split).
-It still forms H = dO Rᵀ: Γ_q is a term of dk's column side. sm_90 (GDN H200 default): 4 040 → 3 408 instructions,
-255 registers, no stack either way. Not yet timed.
+``Schedule.dq_stage == "separate"`` (``dq`` given, ``DQ_GIVEN``): dq, dk's query part (Γ_qᵀ Q + s⟨dO, R⟩ Q, in
+the dk buffer) and Ḡ's query side come from the query-side stage (``query_side.py``), which ran beside the reverse
+scan. This kernel forms neither H nor Γ_q, nor any product with dO or Q (10 of its 30 tile products at
+K = V = 128), reads neither dO nor Q, adds the rest of dk to the given part, and adds the given Ḡ_q to its row sums
+(program 0 of a chunk under k_split). sm_90 (DeltaNet A, 4 warps): 254 → 252 registers, 82 → 74 KB of shared
+memory. Timed in session 34 (DeltaNet A 1.203 → 1.274–1.282×), but dk changed from run to run beside the scan on
+the H200, and the constraint rejects it there (benchmarks/RESULTS.md).
 
 ``Schedule.consumer_ranges`` (``chunk_ranges``): the grid's chunk axis starts at ``c_off``, so the launcher can
 launch a range of chunks at a time, each as soon as the reverse scan has finished it (`pipeline.py`). Every
@@ -239,8 +241,11 @@ def rewy_bwd_kernel_consumer_tma(
     for i_k in range(k_lo, k_hi):
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         if SPLIT_DQ:
-            b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
             b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
+            if DQ_GIVEN:  # (Q is not read: K stands in for it)
+                b_q = b_k
+            else:
+                b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
             if not DQ_GIVEN:
                 for i_v in range(0, (V + BV - 1) // BV):
                     b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)

@@ -15,9 +15,9 @@ scan (``Schedule.side_stream``). It writes dk_q into the dk buffer in dk's dtype
 tile products per chunk at K = V = 128, 64 × 64 tiles), and reads neither dO nor Q.
 
 Γ_qᵀ comes from its own product Hᵀ = R dOᵀ, on dOᵀ loaded transposed (a transposed dot result is never an operand,
-FLA issue 640): no scratch round trip, no CTA barrier. With 32 KB of shared memory and
-160 registers (sm_90, 64 × 64 tiles, 4 warps, 2 stages) one of its CTAs fits beside a reverse-scan program (176 KB)
-on an SM, so it does not keep the scan from its SMs.
+FLA issue 640): no scratch round trip, no CTA barrier. With 48 KB of shared memory and 166 registers (sm_90,
+64 × 64 tiles, 4 warps, 2 stages) one of its CTAs fits beside a reverse-scan program (176 KB) on an SM, so it does
+not keep the scan from its SMs.
 
 One program per (chunk, batch·head), the consumer's tiles (``consumer_cfg``): phase 1 a V loop for H, Hᵀ and
 ⟨dO, R⟩, phase 2 per K tile a V loop for dO S0ᵀ, then the dq rows (``local._dq_rows``, the consumer's own epilogue)
@@ -72,15 +72,11 @@ def rewy_bwd_kernel_query_side(
         b_Ht += _mma(b_r, tl.load(p_dot, boundary_check=(0, 1)).to(DT), PREC)
         b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
-    # Γ_q = s H_< ⊙ Λ by the consumer's own helper (its Γ_r, here formed from a stand-in, is dropped); Γ_qᵀ the same
-    # from Hᵀ on the transposed mask, Λᵀ[i, j] = exp(g_j − g_i)
+    # Γ_q = s H_< ⊙ Λ by the consumer's own helper (its Γ_r, here formed from a stand-in, is dropped); Γ_qᵀ by the
+    # same helper from Hᵀ on the transposed mask, with Λᵀ[i, j] = exp(g_j − g_i), which is Λ of −g
     b_gq, _ = _gamma_matrices(b_H, b_H, b_g, m_lt, scale, DT, USE_G)
     m_ut = (o_i[:, None] < o_i[None, :]) & m_row[:, None] & m_row[None, :]
-    if USE_G:
-        b_lamt = tl.exp(tl.where(m_ut, b_g[None, :] - b_g[:, None], 0.0))
-        b_gqt = tl.where(m_ut, b_Ht * b_lamt * scale, 0.0).to(DT)
-    else:
-        b_gqt = tl.where(m_ut, b_Ht * scale, 0.0).to(DT)
+    b_gqt, _ = _gamma_matrices(b_Ht, b_Ht, -b_g, m_ut, scale, DT, USE_G)
 
     # Phase 2: per K tile Q̄_g = dO S0ᵀ over V, then the consumer's dq epilogue and dk_q
     b_gb = tl.zeros([BT], dtype=tl.float32)
