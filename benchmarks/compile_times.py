@@ -212,6 +212,8 @@ def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = Fal
     os.environ.pop("TRITON_INTERPRET", None)
     import importlib
 
+    from rewy_tune.ir_hazards import war_hazards
+
     out, seen = [], set()
     for rec in launches:
         mod = importlib.import_module(f"rewy_tune.kernels.triton.{rec['module']}")
@@ -233,7 +235,9 @@ def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = Fal
         seen.add(key)
         c0 = _cpu_seconds()
         c = compile_sm90(kernel, sig, consts, attrs, opts)
-        out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"])))
+        hazards = war_hazards(c.asm["ttgir"])
+        out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"]),
+                    hazards))
         if rec["name"] in sass:
             print_sass(rec["name"], opts, c.asm["cubin"], c.asm)
     return out
@@ -293,6 +297,9 @@ def main() -> None:
                     help="compile only the launches whose kernel name matches (e.g. 'scan' for the two scans)")
     ap.add_argument("--chase", action="store_true",
                     help="the consumer chasing the reverse scan (pipeline.CONSUMER_CHASES_SCAN), compiled with PDL")
+    ap.add_argument("--hazards", action="store_true",
+                    help="exit 1 if a kernel's TTGIR has a shared-memory write-after-read hazard of an asynchronous "
+                         "product (rewy_tune/ir_hazards.py; always reported)")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -306,9 +313,15 @@ def main() -> None:
 
             launches = [rec for rec in launches if re.search(args.kernels, rec["name"])]
         out = _compile(launches, set(filter(None, args.sass.split(","))), pdl=args.chase)
-        for name, s, shared, opts, usage in out:
+        for name, s, shared, opts, usage, hazards in out:
             print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {usage}  {opts}")
+            for h in hazards:
+                print(f"   WAR HAZARD {h}")
         print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")
+        n = sum(len(h) for *_, h in out)
+        print(f"{n} shared-memory write-after-read hazards (rewy_tune/ir_hazards.py)")
+        if n and args.hazards:
+            sys.exit(1)
         return
     with tempfile.TemporaryDirectory() as tmp:
         f = os.path.join(tmp, "launches.pkl")
@@ -317,8 +330,10 @@ def main() -> None:
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "cache"))
         env.pop("TRITON_INTERPRET", None)
         t0 = time.perf_counter()
-        subprocess.run(base + ["--_stage", "compile", "--_file", f], check=True, env=env)
+        done = subprocess.run(base + ["--_stage", "compile", "--_file", f], env=env)
         print(f"total {time.perf_counter() - t0:.1f} s wall (fresh cache, one process)")
+        if done.returncode:
+            sys.exit(done.returncode)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""Shared-memory write-after-read hazards of asynchronous tensor-core products in a compiled kernel's Triton GPU IR.
+
+On Hopper `tl.dot` becomes an asynchronous `warp_group_dot` that reads its operands from shared memory until a later
+`warp_group_dot_wait` retires it. Triton 3.6's software pipeliner can leave a loaded tile in a buffer of one slot
+(``local_alloc`` of ``memdesc<1x...>``) when the tile feeds both a product and a register use (``local_load``), then
+queue the next iteration's ``async_copy_global_to_local`` into that slot while the product reading it may still be in
+flight (its wait keeps ``pendings`` > 0). The product then reads a mix of two iterations' tiles, depending on timing:
+session 34's query-side stage changed dk from run to run on the H200 only when it shared SMs with the reverse scan.
+Triton fixed one such case in 2024 (triton-lang/triton#3106: both operands must be multi-buffered); this is another.
+
+`war_hazards(ttgir)` replays each loop body twice (its second pass sees the products the first left pending, as the
+next iteration does), tracking the outstanding products and the buffers each reads, and reports every write into a
+single-slot buffer (an async copy, a TMA copy, a ``local_store``, or the next run of a ``local_alloc`` filled from
+registers) that an outstanding product still reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SSA = r"%[\w.#]+"
+_ALLOC = re.compile(rf"({_SSA}) = ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x")  # empty: N slots
+_ALLOC_FROM = re.compile(rf"({_SSA}) = ttg\.local_alloc ({_SSA})\s*:")  # filled from registers where it runs
+_VIEW = re.compile(rf"({_SSA}) = ttg\.memdesc_\w+ ({_SSA})")
+_DOT = re.compile(rf"({_SSA}) = ttng\.warp_group_dot ({_SSA}), ({_SSA}),.*isAsync = true")
+_WAIT = re.compile(r"ttng\.warp_group_dot_wait .*\{pendings = (\d+) : i32\}")
+_WRITES = (
+    re.compile(rf"ttg\.async_copy_global_to_local {_SSA}, ({_SSA})"),
+    re.compile(rf"ttng\.async_tma_copy_global_to_local {_SSA}\[[^\]]*\] ({_SSA})"),
+    re.compile(rf"ttg\.local_store {_SSA}, ({_SSA})"),
+)
+_FOR = re.compile(r"\bscf\.for\b")
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """A write into the single-slot buffer `buffer` (line `write_line`, 1-based) while the product of line
+    `dot_line` may still read it."""
+    buffer: str
+    dot_line: int
+    write_line: int
+
+    def __str__(self) -> str:
+        return (f"{self.buffer}: written at line {self.write_line} while the asynchronous product of line "
+                f"{self.dot_line} may still read it")
+
+
+def _loop_bodies(lines: list[str]) -> list[tuple[int, int]]:
+    """(first, last) line indices of every scf.for body, by brace depth (the IR prints one op per line)."""
+    bodies, open_at, depth = [], [], 0
+    for i, line in enumerate(lines):
+        code = line.split(" loc(")[0] if " loc(" in line else line
+        opens, closes = code.count("{"), code.count("}")
+        if _FOR.search(code) and code.rstrip().endswith("{"):
+            open_at.append((depth, i))
+        depth += opens - closes
+        while open_at and depth <= open_at[-1][0]:
+            d, start = open_at.pop()
+            bodies.append((start + 1, i))
+    return bodies
+
+
+def war_hazards(ttgir: str) -> list[Hazard]:
+    """Every write into a single-slot shared buffer that an outstanding asynchronous product may still read."""
+    lines = ttgir.splitlines()
+    slots: dict[str, int] = {}
+    base: dict[str, str] = {}
+    for line in lines:
+        m = _ALLOC.search(line)
+        if m:
+            slots[m.group(1)] = int(m.group(2))
+            base[m.group(1)] = m.group(1)
+        m = _ALLOC_FROM.search(line)
+        if m:  # one buffer per op: each time the op runs (the next iteration) it is written again
+            slots[m.group(1)] = 1
+            base[m.group(1)] = m.group(1)
+        m = _VIEW.search(line)
+        if m and m.group(2) in base:
+            base[m.group(1)] = base[m.group(2)]
+    found: dict[tuple[str, int, int], Hazard] = {}
+    for first, last in _loop_bodies(lines):
+        pending: list[tuple[int, set[str]]] = []  # outstanding products: (line, buffers read), oldest first
+        for i in list(range(first, last)) * 2:
+            line = lines[i]
+            m = _DOT.search(line)
+            if m:
+                pending.append((i, {base[v] for v in m.groups()[1:] if v in base}))
+                continue
+            m = _WAIT.search(line)
+            if m:
+                keep = int(m.group(1))
+                pending = pending[-keep:] if keep else []
+                continue
+            for w in (*_WRITES, _ALLOC_FROM):
+                m = w.search(line)
+                if m and m.group(1) in base and slots.get(base[m.group(1)]) == 1:
+                    buf = base[m.group(1)]
+                    for dot_line, reads in pending:
+                        if buf in reads:
+                            found.setdefault((buf, dot_line, i), Hazard(buf, dot_line + 1, i + 1))
+    return sorted(found.values(), key=lambda h: (h.write_line, h.dot_line))

@@ -1,0 +1,105 @@
+"""rewy_tune/ir_hazards.py on Triton GPU IR shaped as Triton 3.6 prints it for sm_90 (loop bodies trimmed to the
+operations the check reads; the first case is the loop of session 34's query-side stage that raced on the H200)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rewy_tune.ir_hazards import war_hazards
+
+
+def _ir(body: str, slots: int = 1, wait: int = 1) -> str:
+    """A kernel whose loop feeds buffer %a (of `slots` slots) to an asynchronous product, waits until `wait` products
+    are left outstanding, and copies the next tile into %a's slot 0."""
+    return textwrap.dedent(f"""\
+        module {{
+          tt.func public @k(%p: !tt.ptr<bf16>) {{
+            %a = ttg.local_alloc : () -> !ttg.memdesc<{slots}x64x64xbf16, #shared, #smem, mutable> loc(#loc1)
+            %b = ttg.local_alloc : () -> !ttg.memdesc<2x64x64xbf16, #shared1, #smem, mutable> loc(#loc2)
+            %a0 = ttg.memdesc_index %a[%c0_i32] : !ttg.memdesc<{slots}x64x64xbf16> -> !ttg.memdesc<64x64xbf16> loc(#loc1)
+            %r:2 = scf.for %i = %c0_i32 to %c2_i32 step %c1_i32 iter_args(%acc = %cst, %j = %c0_i32) -> (tensor<64x64xf32, #mma>, i32)  : i32 {{
+              %x = ttg.async_wait %t {{num = 0 : i32}} loc(#loc1)
+              %av = ttg.memdesc_index %a[%j] : !ttg.memdesc<{slots}x64x64xbf16> -> !ttg.memdesc<64x64xbf16> loc(#loc1)
+              %bv = ttg.memdesc_index %b[%j] : !ttg.memdesc<2x64x64xbf16> -> !ttg.memdesc<64x64xbf16> loc(#loc2)
+              %d = ttng.warp_group_dot %av, %bv, %acc {{inputPrecision = 0 : i32, isAsync = true}} : !ttg.memdesc<64x64xbf16> * !ttg.memdesc<64x64xbf16> -> tensor<64x64xf32, #mma> loc(#loc3)
+              %w:3 = ttng.warp_group_dot_wait %d, %av, %bv {{pendings = {wait} : i32}} : tensor<64x64xf32, #mma> loc(#loc3)
+        {body}
+              scf.yield %w#0, %j : tensor<64x64xf32, #mma>, i32 loc(#loc4)
+            }} loc(#loc4)
+            tt.return loc(#loc5)
+          }} loc(#loc6)
+        }} loc(#loc7)
+        """)
+
+
+COPY_A = ("      %c = ttg.async_copy_global_to_local %ptrs, %a0 mask %m {contiguity = 8 : i32} : "
+          "tensor<64x64x!tt.ptr<bf16>, #blocked> -> <64x64xbf16, #shared, #smem, mutable> loc(#loc1)")
+COPY_B = ("      %c = ttg.async_copy_global_to_local %ptrs, %bv mask %m {contiguity = 8 : i32} : "
+          "tensor<64x64x!tt.ptr<bf16>, #blocked> -> <64x64xbf16, #shared1, #smem, mutable> loc(#loc2)")
+
+
+def test_a_copy_into_a_one_slot_buffer_under_an_outstanding_product_is_found():
+    hazards = war_hazards(_ir(COPY_A))
+    assert len(hazards) == 1
+    h = hazards[0]
+    assert h.buffer == "%a"
+    lines = _ir(COPY_A).splitlines()
+    assert "warp_group_dot %av" in lines[h.dot_line - 1] and "async_copy_global_to_local" in lines[h.write_line - 1]
+    assert "written at line" in str(h)
+
+
+def test_no_hazard_once_the_product_is_retired_or_the_buffer_has_slots():
+    assert war_hazards(_ir(COPY_A, wait=0)) == []  # the wait retires the product before the copy
+    assert war_hazards(_ir(COPY_A, slots=2)) == []  # the pipeliner's usual two slots: the copy fills the other
+    assert war_hazards(_ir(COPY_B)) == []  # the product's other operand has two slots
+
+
+def test_a_tma_copy_a_local_store_and_a_refilled_alloc_are_writes_too():
+    tma = ("      ttng.async_tma_copy_global_to_local %desc[%c0_i32, %t0] %a0, %bar, %true : "
+           "!tt.tensordesc<tensor<64x64xbf16>>, !ttg.memdesc<1xi64> -> !ttg.memdesc<64x64xbf16> loc(#loc1)")
+    store = "      ttg.local_store %val, %a0 : tensor<64x64xbf16, #blocked> -> !ttg.memdesc<64x64xbf16> loc(#loc1)"
+    assert [h.buffer for h in war_hazards(_ir(tma))] == ["%a"]
+    assert [h.buffer for h in war_hazards(_ir(store))] == ["%a"]
+    # an operand staged from registers in the loop: its next iteration's staging writes the buffer the product of
+    # this one may still read
+    staged = _ir("").replace(
+        "%d = ttng.warp_group_dot %av,",
+        "%s = ttg.local_alloc %regs : (tensor<64x64xbf16, #blocked>) -> !ttg.memdesc<64x64xbf16, #shared, #smem> "
+        "loc(#loc8)\n      %d = ttng.warp_group_dot %s,")
+    assert [h.buffer for h in war_hazards(staged)] == ["%s"]
+    assert war_hazards(staged.replace("{pendings = 1 : i32}", "{pendings = 0 : i32}")) == []
+
+
+def test_a_write_outside_any_loop_is_not_a_hazard():
+    # the prologue's first copy into %a runs before any product
+    ir = _ir("").replace("    %r:2 = scf.for", COPY_A.strip().join(["    ", "\n    %r:2 = scf.for"]), 1)
+    assert war_hazards(ir) == []
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_times.py"
+
+
+@pytest.mark.parametrize("op, policy, changes", [
+    ("deltanet", "R", {}), ("deltanet", "A", {}), ("gdn", "A", {}), ("kda", "R", {}), ("gdn2", "A", {}),
+    ("gdn", "R", {"dq_stage": "separate"}),  # the query-side stage with a gate (DeltaNet A's default runs it ungated)
+], ids=["deltanet-R", "deltanet-A", "gdn-A", "kda-R", "gdn2-A", "gdn-R-query-side"])
+def test_no_kernel_of_the_sm90_defaults_has_a_hazard(op, policy, changes, tmp_path):
+    # every kernel one backward launches with the operator's H200 default, compiled ahead for sm_90 as the H200
+    # compiles it (benchmarks/compile_times.py, which exits 1 on a hazard): session 34's race came from such a buffer
+    args = [sys.executable, str(SCRIPT), "--op", op, "--policy", policy, "--H", "2", "--hazards"]
+    if changes:
+        from rewy_tune.search import default_schedule
+
+        sched = tmp_path / "schedule.json"
+        sched.write_text(default_schedule(op, (9, 0), 128, 128, policy=policy).replace(**changes).to_json())
+        args += ["--schedule", str(sched)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    assert "0 shared-memory write-after-read hazards" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
