@@ -228,7 +228,6 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)
     reasons += recompute_fault_reasons(schedule, e, compute_capability_of(problem_dims))
-    reasons += query_side_fault_reasons(schedule, e, compute_capability_of(problem_dims))
     if schedule.consumer == "joint_tma" and not tma_rows_fit(K, V):
         reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
                        "multiples of 8 (the pipeline would run the pointer kernel instead)")
@@ -265,23 +264,6 @@ def recompute_fault_reasons(schedule: Schedule, e: int, compute_capability: tupl
     if r.block_k > r.block_v:
         return [f"recompute.block_k={r.block_k} > block_v={r.block_v} with 4 warps and 16-bit inputs: "
                 f"{H200_RECOMPUTE_FAULT}"]
-    return []
-
-
-# Session 34: the query-side stage (dq_stage "separate", which since then also forms dk's query part) beside the
-# reverse scan gives dk (and GDN's dg) that change from run to run on the H200 with bf16 inputs: policy R at
-# (2, 2048, 16), 8 of 8 beside runs differed from the in-order run for GDN and 3 of 8 for DeltaNet, while dq, dv and
-# dh0 held their bits, and every in-order run repeated its bits (benchmarks/query_side_race.py; RESULTS.md). The
-# cause is not found, so the tuner must not time it there (a run-twice gate would catch such a race only sometimes).
-H200_QUERY_SIDE_FAULT = ("beside the reverse scan its dk changes from run to run on the H200 with 16-bit inputs "
-                         "(session 34; cause not found)")
-
-
-def query_side_fault_reasons(schedule: Schedule, e: int, compute_capability: tuple[int, int] | None) -> list[str]:
-    """The query-side stage (read by joint_tma only) on compute capability 9.x with 16-bit inputs (e = 2)."""
-    if (e == 2 and compute_capability is not None and compute_capability[0] == 9
-            and schedule.consumer == "joint_tma" and schedule.dq_stage == "separate"):
-        return [f"dq_stage='separate' with 16-bit inputs: {H200_QUERY_SIDE_FAULT}"]
     return []
 
 

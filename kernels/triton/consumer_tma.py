@@ -52,8 +52,11 @@ the dk buffer) and Ḡ's query side come from the query-side stage (``query_side
 scan. This kernel forms neither H nor Γ_q, nor any product with dO or Q (10 of its 30 tile products at
 K = V = 128), reads neither dO nor Q, adds the rest of dk to the given part, and adds the given Ḡ_q to its row sums
 (program 0 of a chunk under k_split). sm_90 (DeltaNet A, 4 warps): 254 → 252 registers, 82 → 74 KB of shared
-memory. Timed in session 34 (DeltaNet A 1.203 → 1.274–1.282×), but dk changed from run to run beside the scan on
-the H200, and the constraint rejects it there (benchmarks/RESULTS.md).
+memory. Session 34 timed DeltaNet A 1.203 → 1.274–1.282×, but dk changed from run to run beside the scan on the
+H200: the query-side stage and this kernel's GDN path each read a loaded tile both in a product and in registers,
+which Triton 3.6's pipeliner leaves in a one-slot buffer that the next tile's copy overwrites under the product
+(`rewy_tune/ir_hazards.py`). Since session 35 no tile is read both ways (⟨dO, R⟩ is H's diagonal, ⟨S0, dS1⟩ reads
+S0 and dS1 by loads of its own); DeltaNet A's Hopper default, 1.283× (benchmarks/RESULTS.md).
 
 ``Schedule.consumer_ranges`` (``chunk_ranges``): the grid's chunk axis starts at ``c_off``, so the launcher can
 launch a range of chunks at a time, each as soon as the reverse scan has finished it (`pipeline.py`). Every
@@ -76,9 +79,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .local import (_chased_chunk, _check_consumer_args, _chunk_prologue, _chunk_rows, _dk_rows, _dq_rows,
-                    _gamma_matrices, _row_gates, _store_row_grads, _wait_for_scan, checked_ranges, output_buffer,
-                    programs_per_chunk, sum_row_parts)
+from .local import (_chased_chunk, _check_consumer_args, _chunk_prologue, _chunk_rows, _diagonal, _dk_rows,
+                    _dq_rows, _gamma_matrices, _row_gates, _store_row_grads, _wait_for_scan, checked_ranges,
+                    output_buffer, programs_per_chunk, sum_row_parts)
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -141,7 +144,7 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, dkq, progress,
+    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, dkq, s0, ds1, progress,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -185,7 +188,6 @@ def rewy_bwd_kernel_consumer_tma(
     # Phase 1: P = AᵀR̄ per V tile, H = dO Rᵀ, D = −L_<(P Rᵀ), dv, d_write, ⟨dO, R⟩
     b_D = tl.zeros([BT, BT], dtype=tl.float32)
     b_H = tl.zeros([BT, BT], dtype=tl.float32)
-    b_hd = tl.zeros([BT], dtype=tl.float32)
     b_dwr = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, (V + BV - 1) // BV):
         b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV)
@@ -194,7 +196,6 @@ def rewy_bwd_kernel_consumer_tma(
         if not DQ_GIVEN:  # (given: the query-side stage formed H and its diagonal; dO is not read here)
             b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV)
             b_H += _mma(b_do.to(DT), tl.trans(b_r).to(DT), PREC)
-            b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
         b_dwr += tl.sum(_tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV).to(tl.float32) * b_p, axis=1)
         if KSPLIT == 1:  # (constexpr branches: k_split 1 compiles to the unsplit kernel)
             dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
@@ -203,6 +204,8 @@ def rewy_bwd_kernel_consumer_tma(
         if STORE_P:  # phase 2 reads these back instead of forming P again per K tile
             tl.store(_p_tile(pst, i_v, BT, V, BV), b_p.to(DT), boundary_check=(1,))
 
+    # ⟨dO, R⟩ from H, not from the loaded tiles: those feed products only (`local._diagonal`)
+    b_hd = tl.zeros([BT], dtype=tl.float32) if DQ_GIVEN else _diagonal(b_H, o_i)
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
     b_D = tl.where(m_lt, -b_D, 0.0)
     # (DQ_GIVEN: Γ_q is the query-side stage's; the stand-in Γ_q formed from D here is never read)
@@ -267,8 +270,13 @@ def rewy_bwd_kernel_consumer_tma(
                 b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
             b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)  # rows past K read as zero
             b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
-            if USE_G:
-                b_frob += tl.sum(b_s0.to(tl.float32) * b_ds1.to(tl.float32), axis=1)
+            if USE_G:  # its own pointer loads: the descriptor-loaded tiles feed products only (`local._diagonal`)
+                p_s0 = tl.make_block_ptr(s0 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
+                                         (BK, BV), (1, 0))
+                p_ds1 = tl.make_block_ptr(ds1 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
+                                          (BK, BV), (1, 0))
+                b_frob += tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
+                                 * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=1)
             b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
             if not SPLIT_DQ and not DQ_GIVEN:
                 b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
@@ -410,7 +418,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     for c0, c1 in checked_ranges(chunk_ranges, NT):
         rewy_bwd_kernel_consumer_tma[(c1 - c0, B * H, k_split)](
             *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq, dk if dq_given else None,
-            chase.flags if chase is not None else None,
+            S0 if G is not None else None, dS1 if G is not None else None, chase.flags if chase is not None else None,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
             SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split,

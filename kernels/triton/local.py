@@ -285,6 +285,15 @@ def _gamma_matrices(b_H, b_D, b_g, m_lt, scale, DT: tl.constexpr, USE_G: tl.cons
 
 
 @triton.jit
+def _diagonal(b_H, o_i):
+    """The diagonal of the [BT, BT] tile b_H (⟨dO_i, R_i⟩ from H = dO Rᵀ). Taken from the product rather than summed
+    from the loaded dO and R tiles: a tile that feeds a product and is also read in registers is left by Triton 3.6's
+    pipeliner in a one-slot shared buffer, which the next tile's copy overwrites while the product may still read it
+    (rewy_tune/ir_hazards.py)."""
+    return tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_H, 0.0), axis=1)
+
+
+@triton.jit
 def _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G: tl.constexpr):
     """dq = s γ Q̄_g + A_Q + s⟨dO, R⟩ K (self term); with a gate, Ḡ's query side ⟨Q, sγQ̄_g + A_Q⟩ added to b_gb."""
     if USE_G:
@@ -476,10 +485,8 @@ def rewy_bwd_kernel_consumer(
     # sums and dv that read P. Only H, D and Aᵀ are live across this V loop.
     b_D = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates P Rᵀ (joint)
     b_H = tl.zeros([BT, BT], dtype=tl.float32)  # accumulates dO Rᵀ
-    b_hd = tl.zeros([BT], dtype=tl.float32)  # diag of H: ⟨dO_i, R_i⟩
     b_dwr = tl.zeros([BT], dtype=tl.float32)  # d_write = ⟨V_i, P_i⟩
     for i_v in range(0, (V + BV - 1) // BV):
-        p_r = tl.make_block_ptr(R, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
         p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
         p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
         b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
@@ -492,12 +499,12 @@ def rewy_bwd_kernel_consumer(
             p_p = tl.make_block_ptr(P + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
             b_p = tl.load(p_p, boundary_check=(0, 1)).to(tl.float32)
         b_H += _mma(b_do, b_rt, PREC)
-        b_hd += tl.sum(b_do.to(tl.float32) * tl.load(p_r, boundary_check=(0, 1)).to(tl.float32), axis=1)
         p_v = tl.make_block_ptr(v, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
         b_dwr += tl.sum(tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_p, axis=1)
         p_dv = tl.make_block_ptr(dv, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
         tl.store(p_dv, (b_w[:, None] * b_p).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
+    b_hd = _diagonal(b_H, o_i)  # ⟨dO_i, R_i⟩
     # n×n masks and Λ are formed only here, after the V loop, to keep them out of its live registers.
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]  # strict lower (self-term split)
     if JOINT:
@@ -535,8 +542,11 @@ def rewy_bwd_kernel_consumer(
             p_ds1t = tl.make_block_ptr(dS1, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
             b_s0t = tl.load(p_s0t, boundary_check=(0, 1))
             b_ds1t = tl.load(p_ds1t, boundary_check=(0, 1))
-            if USE_G:
-                b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=1)
+            if USE_G:  # its own [BK, BV] loads: the product operands are never read in registers (`_diagonal`)
+                p_s0 = tl.make_block_ptr(S0, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+                p_ds1 = tl.make_block_ptr(dS1, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+                b_frob += tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
+                                 * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=0)
             b_pe += _mma(b_p.to(DT), b_s0t.to(DT), PREC)
             b_qg += _mma(b_do, b_s0t.to(DT), PREC)
             b_kt += _mma(b_r, b_ds1t.to(DT), PREC)

@@ -14,13 +14,14 @@ scan (``Schedule.side_stream``). It writes dk_q into the dk buffer in dk's dtype
 Ḡ_q and that buffer, adds the rest of dk to it and forms neither H, Γ_q nor any product with dO or Q (10 of its 30
 tile products per chunk at K = V = 128, 64 × 64 tiles), and reads neither dO nor Q.
 
-Γ_qᵀ comes from its own product Hᵀ = R dOᵀ, on dOᵀ loaded transposed (a transposed dot result is never an operand,
-FLA issue 640): no scratch round trip, no CTA barrier. With 48 KB of shared memory and 166 registers (sm_90,
-64 × 64 tiles, 4 warps, 2 stages) one of its CTAs fits beside a reverse-scan program (176 KB) on an SM, so it does
-not keep the scan from its SMs.
+Γ_qᵀ comes from its own product Hᵀ = R dOᵀ on the same loaded tiles (dOᵀ a transposed view of dO's shared
+buffer; a transposed dot result is never an operand, FLA issue 640): no scratch round trip, no CTA barrier. ⟨dO, R⟩
+is H's diagonal, so no loaded tile is also read in registers (`rewy_tune/ir_hazards.py`). With 32 KB of shared memory
+and 168 registers (sm_90, DeltaNet, 64 × 64 tiles, 4 warps, 2 stages) one of its CTAs fits beside a reverse-scan
+program (176 KB) on an SM, so it does not keep the scan from its SMs.
 
-One program per (chunk, batch·head), the consumer's tiles (``consumer_cfg``): phase 1 a V loop for H, Hᵀ and
-⟨dO, R⟩, phase 2 per K tile a V loop for dO S0ᵀ, then the dq rows (``local._dq_rows``, the consumer's own epilogue)
+One program per (chunk, batch·head), the consumer's tiles (``consumer_cfg``): phase 1 a V loop for H and Hᵀ
+(⟨dO, R⟩ is H's diagonal), phase 2 per K tile a V loop for dO S0ᵀ, then the dq rows (``local._dq_rows``, the consumer's own epilogue)
 and dk_q. Block pointers: the kernel runs on any GPU and under the interpreter.
 """
 
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .local import _chunk_prologue, _dq_rows, _gamma_matrices, _row_gates
+from .local import _chunk_prologue, _diagonal, _dq_rows, _gamma_matrices, _row_gates
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
@@ -58,19 +59,18 @@ def rewy_bwd_kernel_query_side(
     # Phase 1: H = dO Rᵀ, Hᵀ = R dOᵀ and H's diagonal ⟨dO, R⟩ per row
     b_H = tl.zeros([BT, BT], dtype=tl.float32)
     b_Ht = tl.zeros([BT, BT], dtype=tl.float32)
-    b_hd = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, (V + BV - 1) // BV):
-        # each orientation its own load: one loaded tile feeding two products, once under tl.trans, gave dk that
-        # changed from run to run on the H200 (session 34, Triton 3.6, sm_90)
+        # each loaded tile feeds the two products only, once as itself and once transposed (a view of the same
+        # shared buffer): a tile that also fed ⟨dO, R⟩ in registers was left in a one-slot buffer that the next
+        # tile's copy overwrote under the product still reading it (rewy_tune/ir_hazards.py; dk changed from run to
+        # run beside the reverse scan, session 34)
         p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_dot = tl.make_block_ptr(do, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
         p_r = tl.make_block_ptr(R, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-        p_rt = tl.make_block_ptr(R, (V, T), (1, H * V), (i_v * BV, t0), (BV, BT), (0, 1))
         b_do = tl.load(p_do, boundary_check=(0, 1)).to(DT)
         b_r = tl.load(p_r, boundary_check=(0, 1)).to(DT)
-        b_H += _mma(b_do, tl.load(p_rt, boundary_check=(0, 1)).to(DT), PREC)
-        b_Ht += _mma(b_r, tl.load(p_dot, boundary_check=(0, 1)).to(DT), PREC)
-        b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
+        b_H += _mma(b_do, tl.trans(b_r), PREC)
+        b_Ht += _mma(b_r, tl.trans(b_do), PREC)
+    b_hd = _diagonal(b_H, o_i)  # ⟨dO, R⟩ per row
     m_lt = (o_i[:, None] > o_i[None, :]) & m_row[:, None] & m_row[None, :]
     # Γ_q = s H_< ⊙ Λ by the consumer's own helper (its Γ_r, here formed from a stand-in, is dropped); Γ_qᵀ by the
     # same helper from Hᵀ on the transposed mask, with Λᵀ[i, j] = exp(g_j − g_i), which is Λ of −g

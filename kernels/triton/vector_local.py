@@ -41,8 +41,8 @@ import triton.language as tl
 from rewy_tune.schedule import CONSUMER_V_STAGES, INTRA_PRECISIONS, Schedule
 
 from .gate import gate_backward
-from .local import (_chunk_prologue, _output_like, checked_ranges, consumer_slots, is_v_first, output_buffer,
-                    programs_per_chunk, sum_row_parts)
+from .local import (_chunk_prologue, _diagonal, _output_like, checked_ranges, consumer_slots, is_v_first,
+                    output_buffer, programs_per_chunk, sum_row_parts)
 from .recompute import dot_precision, mm, validate_chunk_size, validate_launch, validate_tile
 
 # Largest chunk × tile gate range for the centred products (§7): α, ζ ≤ e^64, ≈ e^24 of fp32 headroom left.
@@ -362,7 +362,6 @@ def rewy_bwd_kernel_consumer_vector(
 
     b_D = tl.zeros([BT, BT], dtype=tl.float32)
     b_H = tl.zeros([BT, BT], dtype=tl.float32)
-    b_hd = tl.zeros([BT], dtype=tl.float32)  # diag of H: ⟨dO_i, R_i⟩ (self-term split)
     b_dwr = tl.zeros([BT], dtype=tl.float32)  # KDA write path of β: ⟨V_i, P_i⟩
     b_der = tl.zeros([BT], dtype=tl.float32)  # KDA erase path of β
 
@@ -372,7 +371,6 @@ def rewy_bwd_kernel_consumer_vector(
         m_v = o_v < V
         m_rv = m_row[:, None] & m_v[None, :]
         p_v = tok[:, None] * V + o_v[None, :]
-        b_r = tl.load(R + p_v, mask=m_rv, other=0.0)
         b_do = tl.load(do + p_v, mask=m_rv, other=0.0)
         if JOINT:
             b_rb = tl.load(Rbar + p_v, mask=m_rv, other=0.0)
@@ -383,7 +381,6 @@ def rewy_bwd_kernel_consumer_vector(
         if JOINT:
             b_D += mm(b_p.to(DT), b_rt.to(DT), PREC)
         b_H += mm(b_do.to(DT), b_rt.to(DT), PREC)
-        b_hd += tl.sum(b_do.to(tl.float32) * b_r.to(tl.float32), axis=1)
         b_vv = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
         if KSPLIT == 1:
             m_out = m_rv
@@ -396,6 +393,8 @@ def rewy_bwd_kernel_consumer_vector(
         else:
             b_dwr += tl.sum(b_vv * b_p, axis=1)
             tl.store(dv + p_v, (b_w[:, None] * b_p).to(dv.dtype.element_ty), mask=m_out)
+    # ⟨dO_i, R_i⟩ (the self-term split) from H, not from the loaded tiles: those feed products only (`local._diagonal`)
+    b_hd = _diagonal(b_H, o_i)
     p_hd = tok[:, None] * HS + o_i[None, :]
     tl.store(hd + p_hd, tl.where(m_lt, b_H, 0.0), mask=m_row[:, None])  # H_<: the diagonal enters elementwise
     if JOINT:
@@ -546,10 +545,20 @@ def rewy_bwd_kernel_consumer_vector(
             else:
                 b_s0t = tl.load(S0 + p_s, mask=m_s, other=0.0)
             b_ds1t = tl.load(dS1 + p_s, mask=m_s, other=0.0)
-            b_frob += tl.sum(b_s0t.to(tl.float32) * b_ds1t.to(tl.float32), axis=0)
             b_pe += mm(b_p.to(DT), b_s0t.to(DT), PREC)
             b_qg += mm(b_do.to(DT), b_s0t.to(DT), PREC)
             b_kt += mm(b_r.to(DT), b_ds1t.to(DT), PREC)
+        # ⟨S0, dS1⟩ in a loop of its own, after the products: the product operands above are never read in registers
+        # (`local._diagonal`). Loaded in the products' loop instead, K = V = 256 gave wrong dk on the H200 (session 35).
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_sk = m_k[:, None] & (o_v < V)[None, :]
+            if S0_VK:
+                b_s0 = tl.load(S0 + s_off + o_k[:, None] + o_v[None, :] * K, mask=m_sk, other=0.0)
+            else:
+                b_s0 = tl.load(S0 + s_off + o_k[:, None] * V + o_v[None, :], mask=m_sk, other=0.0)
+            b_ds1 = tl.load(dS1 + s_off + o_k[:, None] * V + o_v[None, :], mask=m_sk, other=0.0)
+            b_frob += tl.sum(b_s0.to(tl.float32) * b_ds1.to(tl.float32), axis=1)
 
         # ---- chain rules of this feature tile
         b_q = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)

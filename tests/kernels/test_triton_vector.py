@@ -1695,35 +1695,6 @@ def test_gpu_dv_local_source_forward_fla(op, policy, w_source, saved, monkeypatc
         assert rel_rms(t, ref[n]) <= tol, (op, policy, n, rel_rms(t, ref[n]))
 
 
-_TF32X3_BF16_CASE = r"""
-import torch
-from rewy_tune import measure
-from rewy_tune.search_spaces import default_schedule
-# session 25's H200 default (its GPU suite xfailed here), not today's: the V loops at the consumer's one stage and
-# fp32 states. With session 33's default (V loops at 2 stages, bf16 states) the same Triton 3.6 ran it clean
-# (session 34, call 1), so a case that follows the default stops reporting the fault without any Triton fix.
-sched = default_schedule((9, 0), K=128, V=128, op="kda").replace(intra_precision="tf32x3", consumer_v_stages=1,
-                                                                  state_dtype="fp32")
-side = measure._Side("kda", measure.rewy_op_fn("kda", "R", sched), measure.bench_inputs("kda", (1, 512, 4), 128, 128,
-                     "cuda"))
-side.forward(); side.backward(); torch.cuda.synchronize()
-"""
-
-
-@pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="H200 session 7: Triton 3.6 sm_90, tf32x3 sliced intra with bf16 inputs "
-                                       "stops with an illegal memory access (rejected by vector.gpu_fault_reasons)")
-def test_gpu_tf32x3_bf16_fault():
-    # Own process: an illegal memory access poisons the CUDA context of the process it happens in.
-    import subprocess
-    import sys
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the fault was seen on sm_90")
-    r = subprocess.run([sys.executable, "-c", _TF32X3_BF16_CASE], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-
-
 # One-command bisection on an H200 (pytest -m gpu -rxX -k h200_incorrect): the failing schedule and one variant per
 # suspect, through the tuner's own tail-h0 gate. XPASS marks a variant that the H200 gates right: its changed field
 # was the fault. Session 4: the first three variants still failed. Session 5's stage test named the recompute at
