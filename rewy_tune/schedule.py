@@ -48,8 +48,9 @@ twice the chunks still fit in one wave of the consumer's CTAs). ``dq_stage`` is 
 forms dq (and Ḡ's query side) in the consumer; "separate" forms them and dk's query part (every product with dO or
 Q) in a stage of their own (``kernels/triton/query_side.py``), which reads dO, R, S0, Q, K and G but nothing of the
 reverse scan, so it runs on the main stream while the side stream runs the reverse scan (under policy A after
-dv_local, in order), and the consumer completes dk in place, reading neither dO nor Q. On compute capability 9.x with
-16-bit inputs the constraint rejects it (dk changed from run to run there, session 34). ``consumer_ranges`` is read by joint_tma and by the vector gates' joint consumer,
+dv_local, in order), and the consumer completes dk in place, reading neither dO nor Q. DeltaNet's Hopper default
+under policy A since session 35 (session 34's run-to-run dk beside the scan was a Triton pipeliner hazard, removed:
+``rewy_tune/ir_hazards.py``). ``consumer_ranges`` is read by joint_tma and by the vector gates' joint consumer,
 where the reverse scan runs last and alone (not beside the forward scan) and does not split: n > 1 cuts the chunks into n ranges; the reverse scan runs one range per
 launch from the last, on the side stream, and the consumer of each range is launched on the main stream as soon as
 the scan has finished it, beside the scan of the earlier ranges (the scan's B·H·V/BV programs leave most SMs idle

@@ -61,7 +61,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     ("bf16", "fp16", "fp32"; None: 16-bit) and policy ("R", "A"; None: R's; the vector H200 default differs)."""
     if op in VECTOR_OPS:
         return vector.default_schedule(compute_capability, K=K, V=V, op=op, dtype=dtype, policy=policy)
-    return module_for(op).default_schedule(compute_capability, K=K, V=V, dtype=dtype, policy=policy)
+    return module_for(op).default_schedule(compute_capability, K=K, V=V, dtype=dtype, policy=policy, op=op)
 
 
 __all__ = ["CONDITIONS", "OPS", "SCALAR_OPS", "VECTOR_OPS", "conditions", "constraint", "default_schedule",

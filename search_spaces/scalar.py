@@ -330,16 +330,20 @@ def check_default_policy(policy: str | None) -> None:
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,
-                     dtype: str | None = None, vector_gates: bool = False, policy: str | None = None) -> Schedule:
+                     dtype: str | None = None, vector_gates: bool = False, policy: str | None = None,
+                     op: str | None = None) -> Schedule:
     """Built-in schedule: tuned-by-hand starting point for Hopper (9, 0), a conservative generic one otherwise.
 
     dtype: the inputs' ("bf16", "fp16", "fp32"; None: 16-bit). vector_gates: the base the vector space builds on
-    (the pointer consumer and the session-11 scans, which its default was measured with).
+    (the pointer consumer and the session-11 scans, which its default was measured with). op ("deltanet", "gdn";
+    None: GDN's): the Hopper default differs by operator in one field, DeltaNet's query-side stage under policy A.
     The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""
     check_default_dtype(dtype)
-    check_default_policy(policy)  # the scalar defaults are the same under both policies
+    check_default_policy(policy)  # the scalar defaults differ by policy in dq_stage alone (DeltaNet, below)
+    if op not in (None, "deltanet", "gdn"):
+        raise ValueError(f"op must be 'deltanet', 'gdn' or None for the scalar default, got {op!r}")
     kk = max(16, _pow2_ceil(K))
     bk = min(64, kk)
     bv = min(64, max(16, _pow2_ceil(V)))
@@ -398,6 +402,13 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # (1, 2048, 16) (32 chunks) auto keeps one launch (RESULTS.md). Under R the reverse scan runs beside the
             # forward scan and the field is not read.
             consumer_ranges=0,
+            # DeltaNet under policy A: dq, dk's query part (and Ḡ's query side) in their own stage beside the reverse
+            # scan, where the consumer's ranges would run (session 35 bench, (1, 8192, 16) 1.158x against the
+            # ranges' 1.147x). Its race beside the scan (session 34) was a one-slot shared buffer under an
+            # asynchronous product (rewy_tune/ir_hazards.py), removed in session 35: the H200's race tests pass, and
+            # `rewy-tune bench --op deltanet --policy A` went 1.203 -> 1.283x FLA, every shape faster (RESULTS.md).
+            # GDN is not timed with it yet; R runs the reverse scan beside the forward scan.
+            dq_stage="separate" if tma and op == "deltanet" and policy == "A" and dtype != "fp32" else "consumer",
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

@@ -469,8 +469,19 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):
             assert (vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
                     == vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R"))
-    for op in ("deltanet", "gdn"):
-        assert default_schedule((9, 0), op=op, policy="A") == default_schedule((9, 0), op=op, policy="R")
+    # the scalar defaults: the same under both policies but for DeltaNet's query-side stage under A on Hopper with
+    # 16-bit inputs (session 35); the generic and fp32 defaults, and GDN's, do not differ
+    dn_a, dn_r = default_schedule((9, 0), op="deltanet", policy="A"), default_schedule((9, 0), op="deltanet", policy="R")
+    assert (dn_a.dq_stage, dn_r.dq_stage) == ("separate", "consumer") and dn_a == dn_r.replace(dq_stage="separate")
+    assert dn_r == default_schedule((9, 0), op="deltanet") == default_schedule((9, 0), op="gdn", policy="A")
+    assert default_schedule((9, 0), op="gdn", policy="A") == default_schedule((9, 0), op="gdn", policy="R")
+    for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 100), (None, None, 128)):
+        for op in ("deltanet", "gdn"):  # (K = 100: the pointer consumer, which has no query-side stage)
+            a = default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
+            assert a == default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R") and a.dq_stage == "consumer"
+    assert scalar.constraint(dn_a, H200) == []
+    with pytest.raises(ValueError, match="op must be 'deltanet', 'gdn' or None for the scalar default, got 'kda'"):
+        scalar.default_schedule((9, 0), op="kda")
     for bad in ("B", "a", ""):
         with pytest.raises(ValueError, match=r"policy must be 'R', 'A' or None, got"):
             default_schedule((9, 0), op="kda", policy=bad)
