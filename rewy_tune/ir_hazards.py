@@ -6,12 +6,18 @@ On Hopper `tl.dot` becomes an asynchronous `warp_group_dot` that reads its opera
 queue the next iteration's ``async_copy_global_to_local`` into that slot while the product reading it may still be in
 flight (its wait keeps ``pendings`` > 0). The product then reads a mix of two iterations' tiles, depending on timing:
 session 34's query-side stage changed dk from run to run on the H200 only when it shared SMs with the reverse scan.
-Triton fixed one such case in 2024 (triton-lang/triton#3106: both operands must be multi-buffered); this is another.
+Upstream fixed related cases (triton-lang/triton#3106, 2024: both operands must be multi-buffered; #8554, 2025: a
+load feeding two products); a load feeding a product and a register read still gets one slot in Triton 3.6.0.
 
 `war_hazards(ttgir)` replays each loop body twice (its second pass sees the products the first left pending, as the
 next iteration does), tracking the outstanding products and the buffers each reads, and reports every write into a
 single-slot buffer (an async copy, a TMA copy, a ``local_store``, or the next run of a ``local_alloc`` filled from
 registers) that an outstanding product still reads.
+
+`compiled_hazards(kernel_functions())` applies it to the kernels a process has compiled (their TTGIR kept in Triton's
+cache): the tuner's gate runs it after a schedule's gate cases (`trial_worker`), since a run-twice comparison catches
+such a race only sometimes. `forget_compiled` empties the in-memory kernel caches first, so that what is found
+afterwards is what that schedule compiled or loaded.
 """
 
 from __future__ import annotations
@@ -100,3 +106,43 @@ def war_hazards(ttgir: str) -> list[Hazard]:
                         if buf in reads:
                             found.setdefault((buf, dot_line, i), Hazard(buf, dot_line + 1, i + 1))
     return sorted(found.values(), key=lambda h: (h.write_line, h.dot_line))
+
+
+def kernel_functions(package: str = "rewy_tune.kernels.triton") -> list:
+    """Every Triton JIT function defined or imported in the package's modules (helpers included: they are never
+    launched, so they hold no compiled kernels). Under the interpreter there are none."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    found: dict[int, JITFunction] = {}
+    pkg = importlib.import_module(package)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"{package}.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, JITFunction):
+                found.setdefault(id(obj), obj)
+    return list(found.values())
+
+
+def forget_compiled(functions) -> None:
+    """Empty the functions' in-memory kernel caches; their next launches load from Triton's on-disk cache (or
+    compile), so `compiled_hazards` then sees just the kernels launched since."""
+    for fn in functions:
+        fn.device_caches.clear()
+
+
+def compiled_hazards(functions) -> tuple[list[tuple[str, Hazard]], int]:
+    """(kernel name, hazard) for every hazard in the TTGIR of the kernels the functions hold compiled, and how many
+    compiled kernels had no TTGIR to read (a cache copied without it: not checked)."""
+    found, unread = [], 0
+    for fn in functions:
+        for caches in list(fn.device_caches.values()):
+            for kernel in list(caches[0].values()):
+                asm = getattr(kernel, "asm", {})
+                if "ttgir" not in asm:
+                    unread += 1
+                    continue
+                found.extend((kernel.name, h) for h in war_hazards(asm["ttgir"]))
+    return found, unread

@@ -10,7 +10,8 @@ Inside the worker (`_serve`):
 - ``gate``: the correctness gates (`gates.run_case` over a small validation matrix with a tail chunk,
   initial state and final-state gradient, zero beta, strong decay) and the run-twice bitwise check.
   Exceptions are classified: compilation failures → `compile_error`, anything else → `runtime_error`;
-  gate failures → `incorrect`; run-twice mismatch → `nondeterministic`.
+  gate failures → `incorrect`; run-twice mismatch → `nondeterministic`, and so (on a GPU) is a kernel the schedule
+  compiled whose TTGIR has a shared-memory write-after-read hazard of an asynchronous product (`ir_hazards`).
 - ``measure``: one workload shape. On CUDA `measure.measure_shape` against FLA (backward CUDA graphs,
   interleaved, every sample; no FB, eager or memory figures, which trials do not keep). On the CPU the Triton
   interpreter is timed with `time.perf_counter` over a few interleaved repetitions against the torch reference
@@ -216,12 +217,14 @@ def validation_cases(op: str, policy: str, K: int, V: int, device: str):
 
 
 def _gate(msg: dict[str, Any]) -> dict[str, Any]:
-    from rewy_tune import gates
+    from rewy_tune import gates, ir_hazards
 
     device = "cpu" if msg["device"] == "cpu" else "cuda"
     runner = _runner(msg)
     cases = validation_cases(msg["op"], msg["policy"], msg["K"], msg["V"], msg["device"])
     errors: dict[str, Any] = {}
+    kernels = ir_hazards.kernel_functions() if device == "cuda" else []
+    ir_hazards.forget_compiled(kernels)  # what is compiled after this is this schedule's (hazards, below)
     t0 = time.perf_counter()
     compile_s = None
     for i, case in enumerate(cases):
@@ -253,7 +256,23 @@ def _gate(msg: dict[str, Any]) -> dict[str, Any]:
                 return {"status": classify(exc), "message": f"warm-up B,T,H={shape}: {type(exc).__name__}: {exc}"[:2000],
                         "errors": errors, "data": data}
         data["warm_s"] = time.perf_counter() - t1
+    hazard = _hazard_message(kernels)
+    if hazard:
+        return {"status": "nondeterministic", "message": hazard, "errors": errors, "data": data}
     return {"status": STATUS_OK, "errors": errors, "data": data}
+
+
+def _hazard_message(kernels: list) -> str | None:
+    """A shared-memory write-after-read hazard in a kernel this schedule compiled (`ir_hazards`): a race that the
+    run-twice gate catches only sometimes (session 34's showed only beside the reverse scan). None: none found."""
+    from rewy_tune import ir_hazards
+
+    found, _ = ir_hazards.compiled_hazards(kernels)
+    if not found:
+        return None
+    name, h = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return f"shared-memory write-after-read hazard in {name}: {h}{more} (rewy_tune/ir_hazards.py)"[:2000]
 
 
 def _warm_shape(msg: dict[str, Any], shape: tuple[int, int, int]) -> None:

@@ -103,3 +103,51 @@ def test_no_kernel_of_the_sm90_defaults_has_a_hazard(op, policy, changes, tmp_pa
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     assert "0 shared-memory write-after-read hazards" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+class _Compiled:
+    """A compiled kernel as Triton's in-memory cache holds it: a name and its IR by stage."""
+
+    def __init__(self, name: str, ttgir: str | None):
+        self.name = name
+        self.asm = {} if ttgir is None else {"ttgir": ttgir}
+
+
+class _Jit:
+    """A JIT function's device caches as Triton 3.6 keeps them: (kernel cache, key cache, target, backend, binder)."""
+
+    def __init__(self, *kernels):
+        self.device_caches = {0: ({f"key{i}": k for i, k in enumerate(kernels)}, {}, None, None, None)}
+
+
+def test_compiled_kernels_are_checked_by_their_ttgir_and_forgotten():
+    from rewy_tune import ir_hazards
+
+    racy, clean, unread = _Compiled("racy", _ir(COPY_A)), _Compiled("clean", _ir(COPY_A, slots=2)), _Compiled("x", None)
+    fns = [_Jit(racy, clean), _Jit(unread)]
+    found, not_read = ir_hazards.compiled_hazards(fns)
+    assert [(name, h.buffer) for name, h in found] == [("racy", "%a")] and not_read == 1
+    ir_hazards.forget_compiled(fns)  # the next launches load again: only they are checked
+    assert ir_hazards.compiled_hazards(fns) == ([], 0)
+
+
+def test_the_tuner_gate_names_the_kernel_and_the_buffer():
+    # trial_worker._gate returns this message with status "nondeterministic" after a GPU schedule's gate cases
+    from rewy_tune import trial_worker
+
+    msg = trial_worker._hazard_message([_Jit(_Compiled("rewy_bwd_kernel_query_side", _ir(COPY_A)))])
+    assert msg.startswith("shared-memory write-after-read hazard in rewy_bwd_kernel_query_side: %a: written at line")
+    assert trial_worker._hazard_message([_Jit(_Compiled("k", _ir(COPY_A, wait=0)))]) is None
+
+
+def test_kernel_functions_lists_the_package_kernels_when_compiled():
+    # (under the interpreter the kernels are interpreted functions and none are listed: the gate checks GPUs only)
+    code = ("from rewy_tune.ir_hazards import kernel_functions; "
+            "print(sorted(f.__name__ for f in kernel_functions()))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = eval(out.stdout.strip().splitlines()[-1])
+    for kernel in ("rewy_bwd_kernel_query_side", "rewy_bwd_kernel_consumer_tma", "rewy_bwd_kernel_consumer_vector",
+                   "rewy_bwd_scan_kernel"):
+        assert kernel in names
