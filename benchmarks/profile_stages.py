@@ -45,6 +45,9 @@ FLAG_VARIANTS = {
     # default since then loads it at the top of the step), and the per-chunk states in fp32 (the default: bf16)
     "late-gate-row": ({"scan.EARLY_GATE_ROW": False}, {}),
     "late-gate-row-fp32": ({"scan.EARLY_GATE_ROW": False}, {"state_dtype": "fp32"}),
+    # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
+    # per shape with it after the products)
+    "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
 }
 
 

@@ -83,6 +83,12 @@ NARROW_TILE_MIN = 32  # the narrowest feature tile auto chooses (32 x 64 is the 
 # they replace run (tests/kernels/test_triton_vector.py::test_consumer_flag_same_bits).
 LAST_ROW_LOAD = True
 RANGE_FROM_OPERANDS = True
+# STATE_ROWSUM_FIRST: where each feature tile forms rowsum_V(S0 ⊙ dS1) (Ḡ's last-row term), in a loop of its own since
+# session 35 (the inter products' state tiles are then never read in registers: rewy_tune/ir_hazards.py). Off (the
+# H200-gated placement): after the inter products, while their three [C, BK] accumulators are live; GDN2 A benched
+# 1.857 -> 1.809x FLA with it (session 35; KDA A 1.670 -> 1.680x). On: at the top of the feature tile, where fewer
+# tiles are live (sm_90, 8 warps: GDN2 A stack 216 -> 200 B). The same bits; not yet timed or GPU-gated.
+STATE_ROWSUM_FIRST = False
 # DEFER_GATE_CUMSUM (policy A, Schedule.scan_operands "forward", A_qk from the forward): the reverse scan reads Γ_n
 # from fla-core's own gate cumsum (log2 units, kept by its save-all forward), so the backward's chunk cumsum, which
 # only the consumer then reads, runs on a second stream beside dv_local and the scan instead of before them
@@ -316,6 +322,25 @@ def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
     return m, tok, tok[:, None] * K + o_k[None, :], m[:, None] & m_k[None, :]
 
 
+@triton.jit
+def _state_rowsum(S0, dS1, s_off, o_k, m_k, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                  S0_VK: tl.constexpr):
+    """rowsum_V(S0 ⊙ dS1) over the feature tile's rows o_k, [BK] fp32, in a loop of its own: the consumer's inter
+    products read S0 and dS1 as product operands only (`local._diagonal`). Summed inside the products' loop from loads
+    of their own instead, K = V = 256 gave wrong dk on the H200 (session 35)."""
+    b_frob = tl.zeros([o_k.shape[0]], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_sk = m_k[:, None] & (o_v < V)[None, :]
+        if S0_VK:
+            b_s0 = tl.load(S0 + s_off + o_k[:, None] + o_v[None, :] * K, mask=m_sk, other=0.0)
+        else:
+            b_s0 = tl.load(S0 + s_off + o_k[:, None] * V + o_v[None, :], mask=m_sk, other=0.0)
+        b_ds1 = tl.load(dS1 + s_off + o_k[:, None] * V + o_v[None, :], mask=m_sk, other=0.0)
+        b_frob += tl.sum(b_s0.to(tl.float32) * b_ds1.to(tl.float32), axis=1)
+    return b_frob
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_vector(
     q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, P, D, grange,
@@ -326,7 +351,7 @@ def rewy_bwd_kernel_consumer_vector(
     ERASE_VEC: tl.constexpr, WRITE_VEC: tl.constexpr, JOINT: tl.constexpr,
     INTRA: tl.constexpr, MAX_RANGE: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr, KSPLIT: tl.constexpr,
     ONE_BETA: tl.constexpr, S0_VK: tl.constexpr, SHARED_HD: tl.constexpr, GN_LOAD: tl.constexpr,
-    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr,
+    RANGE_IN: tl.constexpr, VSTAGES: tl.constexpr, ROWSUM_FIRST: tl.constexpr,
 ):
     # S0_VK: S0's storage is [V, K] per chunk (FLA's state_v_first h, kept by policy A); dS1's is [K, V].
     # KSPLIT > 1 (Schedule.consumer_k_split): this chunk's programs each run phase 1 and their share of phase 2's
@@ -414,6 +439,8 @@ def rewy_bwd_kernel_consumer_vector(
         m_k = o_k < K
         m_rk = m_row[:, None] & m_k[None, :]
         p_rk = tok[:, None] * K + o_k[None, :]
+        if ROWSUM_FIRST:  # rowsum_V(S0 ⊙ dS1) per key channel (STATE_ROWSUM_FIRST above)
+            b_frob = _state_rowsum(S0, dS1, s_off, o_k, m_k, K, V, BV, S0_VK)
 
         # ---- intra contractions X_q, X_e, X_y, all [BT, BK] rows
         b_g = tl.load(G + p_rk, mask=m_rk, other=0.0).to(tl.float32)
@@ -524,7 +551,6 @@ def rewy_bwd_kernel_consumer_vector(
         b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
         b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
-        b_frob = tl.zeros([BK], dtype=tl.float32)  # rowsum_V(S0 ⊙ dS1) per key channel
         for i_v in tl.range(0, tl.cdiv(V, BV), num_stages=VSTAGES):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
@@ -548,17 +574,8 @@ def rewy_bwd_kernel_consumer_vector(
             b_pe += mm(b_p.to(DT), b_s0t.to(DT), PREC)
             b_qg += mm(b_do.to(DT), b_s0t.to(DT), PREC)
             b_kt += mm(b_r.to(DT), b_ds1t.to(DT), PREC)
-        # ⟨S0, dS1⟩ in a loop of its own, after the products: the product operands above are never read in registers
-        # (`local._diagonal`). Loaded in the products' loop instead, K = V = 256 gave wrong dk on the H200 (session 35).
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_sk = m_k[:, None] & (o_v < V)[None, :]
-            if S0_VK:
-                b_s0 = tl.load(S0 + s_off + o_k[:, None] + o_v[None, :] * K, mask=m_sk, other=0.0)
-            else:
-                b_s0 = tl.load(S0 + s_off + o_k[:, None] * V + o_v[None, :], mask=m_sk, other=0.0)
-            b_ds1 = tl.load(dS1 + s_off + o_k[:, None] * V + o_v[None, :], mask=m_sk, other=0.0)
-            b_frob += tl.sum(b_s0.to(tl.float32) * b_ds1.to(tl.float32), axis=1)
+        if not ROWSUM_FIRST:  # (STATE_ROWSUM_FIRST above)
+            b_frob = _state_rowsum(S0, dS1, s_off, o_k, m_k, K, V, BV, S0_VK)
 
         # ---- chain rules of this feature tile
         b_q = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)
@@ -712,7 +729,8 @@ def consumer_vector(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale:
             INTRA=INTRA_CODES[intra], MAX_RANGE=CENTRED_MAX_RANGE, PREC=dot_precision(k.dtype),
             IPREC=_intra_precision(intra_precision), KSPLIT=k_split, ONE_BETA=one_beta, S0_VK=s0_vk,
             SHARED_HD=shared_hd, GN_LOAD=LAST_ROW_LOAD, RANGE_IN=gate_range is not None,
-            VSTAGES=v_stages or num_stages, num_warps=num_warps, num_stages=num_stages,
+            VSTAGES=v_stages or num_stages, ROWSUM_FIRST=STATE_ROWSUM_FIRST, num_warps=num_warps,
+            num_stages=num_stages,
         )
     if scalar_erase_parts:
         sum_row_parts(derp, None, None, derase, None, None)

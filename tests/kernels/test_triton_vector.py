@@ -286,11 +286,14 @@ def test_consumer_k_split_shared_scratch_bits(consumer, monkeypatch):
     ("LAST_ROW_LOAD", False, True, "GN_LOAD", "kda", "joint", 1),
     ("LAST_ROW_LOAD", False, True, "GN_LOAD", "gdn2", "separate", 2),
     ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "kda", "separate", 2),
-    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "gdn2", "joint", 1)])
+    ("RANGE_FROM_OPERANDS", False, True, "RANGE_IN", "gdn2", "joint", 1),
+    ("STATE_ROWSUM_FIRST", False, True, "ROWSUM_FIRST", "gdn2", "joint", 1),
+    ("STATE_ROWSUM_FIRST", False, True, "ROWSUM_FIRST", "kda", "separate", 2)])
 def test_consumer_flag_same_bits(flag, off, on, constexpr, op, consumer, k_split, monkeypatch):
     # The vector consumer's flags (vector_local.py) give the bits of the reductions they replace: LAST_ROW_LOAD loads
     # G's last chunk row instead of a column sum, RANGE_FROM_OPERANDS reads G's per-chunk max and min from the pregated
-    # operands' kernel instead of reducing the tile. A tail chunk (T = 100: the last chunk's last row is 35, not C - 1),
+    # operands' kernel instead of reducing the tile; STATE_ROWSUM_FIRST moves rowsum_V(S0 ⊙ dS1) to the top of the
+    # feature tile (the same loads and sums). A tail chunk (T = 100: the last chunk's last row is 35, not C - 1),
     # a ragged K (48 in 16-wide tiles; k split 2: each program its own tiles), strong decay on half the channels (both
     # paths of the range guard run: asserted), and the oracle's gate, under both policies.
     from rewy_tune.kernels.triton import vector_local as vl
@@ -1561,6 +1564,27 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
     piped = run_triton(x, s, policy)
     assert_gates(piped, ref, ctx=f"gpu {op} {B},{T},{H} {policy} V loops at {s.consumer_v_stages} stages")
     assert_same_bits(run_triton(x, s, policy), piped, ctx="V loops pipelined, run twice")
+
+
+@BF16_ON_INTERPRETER
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("B,T,H,KV", [(1, 2048, 16, 128), (1, 1000, 3, 128), (1, 1000, 4, 256)])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_gpu_state_rowsum_first(op, B, T, H, KV, policy, monkeypatch):
+    # vector_local.STATE_ROWSUM_FIRST (off; session 35): rowsum_V(S0 ⊙ dS1) at the top of each feature tile, against
+    # the default's loop after the inter products: the oracle's gate and the same bits, on each policy's default,
+    # at K = V = 256 too (where session 35's first placement, inside the products' loop, gave wrong dk on the H200)
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    x = make_inputs(op, B, T, H, KV, KV, dtype=torch.bfloat16, device="cuda", seed=T + KV, gate_div=16.0,
+                    decay="mixed" if T == 1000 else "normal")
+    s = _gpu_schedule(KV, op, policy=policy)
+    after = run_triton(x, s, policy)
+    monkeypatch.setattr(vl, "STATE_ROWSUM_FIRST", True)
+    first = run_triton(x, s, policy)
+    assert_gates(first, oracle(x, device="cuda"), ctx=f"gpu {op} {B},{T},{H} K=V={KV} {policy} rowsum first")
+    assert_same_bits(first, after, ctx="rowsum first vs after the products")
 
 
 @BF16_ON_INTERPRETER
