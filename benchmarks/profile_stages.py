@@ -234,6 +234,11 @@ def variants_for(op: str, base):
             # session 34 dk's query part too (the consumer skips 10 of its 30 tile products and reads no dO or Q)
             out["dq-sep"] = base.replace(dq_stage="separate")
             out["dq-sep-k2"] = base.replace(dq_stage="separate", consumer_k_split=2)
+            # session 35: the stage is DeltaNet A's default (this times the consumer's own query side against it), and
+            # with an explicit range count the stage runs before the consumer's chunk ranges beside the ranged scan
+            out["dq-consumer"] = base.replace(dq_stage="consumer")
+            for n in (2, 4, 8):
+                out[f"dq-sep-ranges{n}"] = base.replace(dq_stage="separate", consumer_ranges=n)
             # session 18: the consumer in chunk ranges, each beside the reverse scan of the earlier chunks (policy A,
             # or R without the scan beside the forward scan). The scan at 3 stages takes 176 KB of shared memory and
             # the consumer 98 KB: at 2 stages (119 KB) or 1 (25 KB) one of each fits on an SM together.

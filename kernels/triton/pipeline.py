@@ -22,7 +22,8 @@ run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute 
 scan.
 consumer_ranges > 1 (joint_tma; where the reverse scan runs last and alone) → the reverse scan in chunk ranges on
 the side stream (`scan.reverse_state_scan_ranges`), each range's consumer on the main stream after its scan range
-(`_scan_beside_consumer`). scan_operands "pregated" (vector gates) → `scan_operands.gated_scan_operands` forms K_t and
+(`_scan_beside_consumer`); with the query-side stage (an explicit count, policy A with the forward's W) the stage runs
+on the main stream beside the ranged scan, before the first consumer range. scan_operands "pregated" (vector gates) → `scan_operands.gated_scan_operands` forms K_t and
 Q_g once, before the scans, which then read them (``pregated=True``); "forward" (policy A) → the autograd Function
 passes fla-core's saved qg and kg (``scan_qk``), the reverse scan reads them (``q_scaled=False``), and the chunk
 cumsum writes the consumer's gate range: no scan-operands stage runs.
@@ -43,7 +44,7 @@ from .cumsum import chunk_cumsum
 from .local import consumer as run_consumer
 from .local import dv_local as run_dv_local
 from .local import producer as run_producer
-from .query_side import query_side
+from .query_side import query_side, query_side_buffers
 from .recompute import recompute_wu
 from .scan import (forward_state_scan, pdl_supported, reverse_scan_segment_count, reverse_state_scan,
                    reverse_state_scan_ranges, scan_progress, split_program_limit)
@@ -272,18 +273,23 @@ def _second_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)
 
 
-def _scan_beside_consumer(launches, streams, gate_made=None):
+def _scan_beside_consumer(launches, streams, gate_made=None, before_ranges=None):
     """The chunk ranges of `reverse_state_scan_ranges`' launches, each scan launch on the side stream, the main
     stream waiting for it before the range is yielded (the consumer launches it there). The scan runs from the last
     chunk, so the consumer of the chunks it has finished runs on the SMs its B·H·V/BV programs leave idle, beside
     the scan of the earlier chunks. streams None (`chase_streams`): all in order on the current stream. gate_made: the
     event of the deferred chunk cumsum on the second stream (`_cumsum_beside`); the main stream waits for it after
-    the scan's launches are queued (before, the scan would wait for it too).
+    the scan's launches are queued (before, the scan would wait for it too). before_ranges: a stage the consumer
+    reads, launched on the main stream once the scan's launches are queued (so the scan does not wait for it) and
+    before the first range; the second stream waits for it too (the query-side stage, `run_stages`).
 
     Memory: the scan's outputs and carry were allocated on the main stream before the fork, and the main stream
     waits for each range before anything it launches reads it, so no allocation crosses streams."""
     if streams is None:
-        yield from launches
+        for i, chunk_range in enumerate(launches):
+            if i == 0 and before_ranges is not None:  # (in order: after the first scan range, before its consumer)
+                before_ranges()
+            yield chunk_range
         return
     main, side, second = streams
     side.wait_stream(main)  # the scan reads dv_local, W, dO, made on the main stream
@@ -295,6 +301,9 @@ def _scan_beside_consumer(launches, streams, gate_made=None):
             done = [(chunk_range, side.record_event()) for chunk_range in launches]
         if gate_made is not None:  # (the second stream's ranges come after the cumsum in its own order)
             main.wait_event(gate_made)
+        if before_ranges is not None:
+            before_ranges()  # on the main stream, beside the scan
+            second.wait_stream(main)
         for i, (chunk_range, event) in enumerate(done):
             stream = (main, second)[i % 2]
             stream.wait_event(event)
@@ -374,6 +383,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     `query_side(q, k, R, S0, G, do, *, scale, chunk_size, BK, BV, num_warps, num_stages) -> (dq, dk_q, Ḡ_q)`
     (Schedule.dq_stage "separate": `query_side.py`): run on the main stream once S0 and R exist (and, policy A with
     the forward's W, after dv_local), beside the side stream's reverse scan; the consumer then takes dq=, dk=, gbq=.
+    Policy A with the forward's W and an explicit consumer_ranges > 1: beside the ranged reverse scan instead, before
+    the first consumer range (its buffers made first, `query_side(out=)`).
     Inputs are checked by the caller, but for W (policy A's forward W), checked here for both gate kinds. gate: g is the raw gate input (see `rewy_backward_triton`).
     scan_qk (vector gates, Schedule.scan_operands "forward"): (qg, kg), fla-core's saved Q ⊙ exp(G) and
     K ⊙ exp(G_n − G) in the input dtype; the scans read them in place of the scan-operands stage's Q_g, K_t. A
@@ -442,7 +453,11 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # dv_local's output is allocated on the main stream. The reverse scan's outputs come from the side stream's
     # pool: record_stream keeps their memory from being handed out again on the side stream while the consumer,
     # or the caller with dh0, may still read them on the main stream.
-    mode = side_stream_mode(sc, k.device, W is None or S0 is None or query_side is not None)
+    # The query-side stage with an explicit consumer_ranges count (policy A with the forward's W): the reverse scan runs
+    # in chunk ranges as without it, and the stage on the main stream beside them, before the first consumer range
+    # (`_scan_beside_consumer`); otherwise it takes the side stream's scan beside it (and auto takes no ranges)
+    query_in_ranges = query_side is not None and W is not None and S0 is not None and sc.consumer_ranges > 1
+    mode = side_stream_mode(sc, k.device, W is None or S0 is None or (query_side is not None and not query_in_ranges))
     main = torch.cuda.current_stream(k.device) if mode != "none" else None
     side = side_stream(k.device) if mode != "none" else None
     if side is not None and side == main:  # the caller already runs on our stream: nothing to overlap
@@ -477,6 +492,10 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                      num_segments=1 if chase is not None else sc.reverse_scan_segments,
                      split_max_programs=split_limit, pregated=pregated, q_scaled=q_scaled,
                      gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase)
+
+    qc = sc.consumer_cfg  # the query-side stage takes the consumer's tiles
+    query_args = dict(scale=scale, chunk_size=C, BK=qc.block_k, BV=qc.block_v, num_warps=qc.num_warps,
+                      num_stages=qc.num_stages)
 
     def run_reverse_scan(dvl):
         return reverse_state_scan(scan_q, scan_k, W, G_scan, do, dvl, dht, **scan_args)
@@ -519,10 +538,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         else:  # policy A: the vector consumer takes S0 as it comes (it reads FLA's V-first h in place)
             S0, R = (S0 if vector else S0.contiguous()), R.contiguous()
         del U
-        if query_side is not None:  # reads S0, R, never the reverse scan's outputs: beside it on the main stream
-            cc = sc.consumer_cfg
-            dq_made = query_side(q, k, R, S0, G, do, scale=scale, chunk_size=C, BK=cc.block_k, BV=cc.block_v,
-                                 num_warps=cc.num_warps, num_stages=cc.num_stages)
+        if query_side is not None and not query_in_ranges:  # reads S0, R, never the reverse scan's outputs: beside
+            dq_made = query_side(q, k, R, S0, G, do, **query_args)  # it on the main stream
     finally:
         if side is not None:
             main.wait_stream(side)  # join: the reverse scan (or, after it, the consumer) reads the side's results
@@ -540,10 +557,16 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             dS1, Rbar, dh0, launches = reverse_state_scan_ranges(scan_q, scan_k, W, G_scan, do, dvl, dht,
                                                                  num_ranges=n_ranges,
                                                                  **{**scan_args, "num_segments": 1})
-            ranges = _scan_beside_consumer(launches, chase_streams(k.device), gate_made)
+            run_query_side = None
+            if query_in_ranges:  # its buffers made here, on the main stream, for the consumer call below
+                dq_made = query_side_buffers(q, k, G)
+                run_query_side = functools.partial(query_side, q, k, R, S0, G, do, out=dq_made, **query_args)
+            ranges = _scan_beside_consumer(launches, chase_streams(k.device), gate_made, before_ranges=run_query_side)
             gate_made = None  # the first range waits for it
             dv_out = dvl  # dv over dv_local (do's dtype, which v shares), range by range (None: a new buffer)
         else:
+            if query_in_ranges:  # (the scan's split ruled the ranges out: the stage in order, before the scan, whose
+                dq_made = query_side(q, k, R, S0, G, do, **query_args)  # next launch may be a consumer chasing it)
             dS1, Rbar, dh0 = run_reverse_scan(dvl)
             if chase is not None:  # dv over dv_local, whose rows of a chunk the scan has read before publishing it
                 dv_out = dvl

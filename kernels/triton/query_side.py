@@ -108,11 +108,13 @@ def rewy_bwd_kernel_query_side(
 
 
 def query_side(q, k, R, S0, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
-               num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               num_warps: int = 4, num_stages: int = 2, out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq and dk_q [B,T,H,K] in q's and k's dtype, and Ḡ's query side [B,T,H] fp32 (None without a gate: G None).
 
     q, k [B,T,H,K]; R, do [B,T,H,V]; S0 [B,NT,H,K,V] (the forward scan's per-chunk states); G None | [B,T,H] fp32
-    (the chunk-local cumulative gate). dk_q is dk's query part, which the joint_tma consumer completes in place."""
+    (the chunk-local cumulative gate). dk_q is dk's query part, which the joint_tma consumer completes in place.
+    out: (dq, dk_q, Ḡ_q) buffers to write (`query_side_buffers`), for a caller that hands them to the consumer
+    before this stage is launched (the consumer's chunk ranges, `pipeline.run_stages`)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     C = chunk_size
@@ -123,12 +125,25 @@ def query_side(q, k, R, S0, G, do, *, scale: float, chunk_size: int = 64, BK: in
         raise ValueError(f"S0 must have shape {(B, NT, H, K, V)}, got {tuple(S0.shape)}")
     if G is not None and tuple(G.shape) != (B, T, H):
         raise ValueError(f"G must be None or a scalar gate [B,T,H]={(B, T, H)}, got {tuple(G.shape)}")
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    gbq = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    if out is None:
+        dq, dk, gbq = query_side_buffers(q, k, G)
+    else:
+        want = query_side_buffers(q, k, G)
+        if len(out) != 3 or any((o is None) != (w is None) or (w is not None and (o.shape, o.dtype, o.device) !=
+                                (w.shape, w.dtype, w.device)) for o, w in zip(out, want)):
+            raise ValueError("out must be (dq, dk_q, Ḡ_q) as query_side_buffers(q, k, G) makes them: "
+                             f"{[None if w is None else (tuple(w.shape), w.dtype) for w in want]}")
+        dq, dk, gbq = out
     rewy_bwd_kernel_query_side[(NT, B * H)](
         q, k, R, do, S0, G, dq, dk, gbq, T, NT, float(scale),
         H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, gbq
+
+
+def query_side_buffers(q, k, G) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Empty (dq, dk_q, Ḡ_q) for `query_side`: q's and k's shape and dtype, and [B,T,H] fp32 with a gate (else None)."""
+    B, T, H, _ = q.shape
+    gbq = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if G is not None else None
+    return torch.empty_like(q), torch.empty_like(k), gbq

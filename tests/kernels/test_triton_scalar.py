@@ -641,6 +641,40 @@ def test_consumer_ranges_follow_the_reverse_scan(op, monkeypatch):
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges")
 
 
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_query_side_stage_runs_before_the_consumer_ranges(op, monkeypatch):
+    # policy A with the forward's W, dq_stage "separate" and an explicit consumer_ranges: the reverse scan in ranges on
+    # the side stream as without the stage, the stage on the main stream once the scan's launches are queued and
+    # before the first consumer range, the second stream's ranges after it too. The same bits as the stage beside the
+    # whole scan (consumer_ranges auto, which takes no ranges with the stage), and the gate
+    log = []
+    pipeline = _stand_in_streams(monkeypatch, log)
+    # (the GPU's rule, not the schedule's field alone: the side stream only where a stage runs before the scan)
+    monkeypatch.setattr(pipeline, "side_stream_mode", lambda s, device, stage_before: s.side_stream if stage_before
+                        else "none")
+    _range_spy(monkeypatch, log)
+    x = make_inputs(op, 1, 100, 2, 32, 32, seed=79)  # chunk 32: 4 chunks
+    s = BASE.replace(consumer="joint_tma", chunk_size=32, w_source="forward", dq_stage="separate",
+                     side_stream="reverse_scan")
+    whole = run_triton(x, s, "A")
+    assert log == ["dv_local on main", "side waits main", "reverse_scan on side", "query_side on main",
+                   "main waits side", "consumer on main", "consumer 0-4 on main"]
+    log.clear()
+    ranged = run_triton(x, s.replace(consumer_ranges=2), "A")
+    assert log == ["dv_local on main", "consumer on main", "side waits main", "second waits main",
+                   "scan 2-4 on side", "side records", "scan 0-2 on side", "side records",
+                   "query_side on main", "second waits main",
+                   "main waits side's event", "consumer 2-4 on main", "second waits side's event",
+                   "consumer 0-2 on second", "main waits side", "main waits second"]
+    assert_same_bits(ranged, whole, ctx=f"{op} query side and consumer ranges")
+    assert_gates(ranged, oracle(x, C=32), ctx=f"{op} query side and consumer ranges")
+    log.clear()  # a scan that splits (2 segments of 2 chunks, no occupancy limit) rules the ranges out: in order
+    split = s.replace(consumer_ranges=2, side_stream="none", reverse_scan_segments=2, scan_split_waves=0)
+    assert_gates(run_triton(x, split, "A"), oracle(x, C=32), ctx=f"{op} query side, split scan")
+    assert log == ["dv_local on main", "query_side on main", "reverse_scan on main", "consumer on main",
+                   "consumer 0-4 on main"]
+
+
 def test_consumer_ranges_apply_to_the_last_alone_reverse_scan(monkeypatch):
     # under R with the reverse scan beside the forward scan (side_stream "reverse_scan") there is nothing to chase:
     # one consumer launch; the pointer consumers run once after the whole scan
@@ -1154,6 +1188,25 @@ def test_gpu_query_side_stage_race_beside(op, policy):
         for n in NAMES:
             if in_order[n] is not None:
                 assert torch.equal(in_order[n], beside[n]), n
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("ranges", [2, 4, 8])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_gpu_query_side_stage_with_consumer_ranges(op, ranges):
+    # policy A with an explicit consumer_ranges: the query-side stage beside the ranged reverse scan, before the
+    # consumer ranges (session 35, CPU-tested only until this runs): the in-order bits, 4 runs, and the bf16 gate
+    x = make_inputs(op, 1, 8192 - 40, 16, 128, 128, dtype=torch.bfloat16, device="cuda", seed=ranges, gate_div=1.0)
+    s = _gpu_default().replace(consumer="joint_tma", dq_stage="separate", consumer_ranges=ranges, w_source="forward")
+    in_order = run_triton(x, s.replace(side_stream="none", consumer_ranges=1), "A")
+    for _ in range(4):
+        ranged = run_triton(x, s, "A")
+        for n in NAMES:
+            if in_order[n] is not None:
+                assert torch.equal(in_order[n], ranged[n]), n
+    assert_bf16(ranged, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}),
+                f"gpu {op} query side with {ranges} consumer ranges")
 
 
 @pytest.mark.gpu
