@@ -197,7 +197,7 @@ def variants_for(op: str, base):
         out["rseg16"] = base.replace(reverse_scan_segments=16)
         out["rseg4"] = base.replace(reverse_scan_segments=4)
         for name in ("seg4", "seg4/8", "scanBV32", "cons_w4", "state=input"):  # no speed gain (session 6)
-            out.pop(name)
+            out.pop(name, None)  # (since session 33 the default's states are "input": its variant is "state=fp32")
     else:
         # sm_90 cubins read on a CPU (session 6, GDN default): consumer 64 x 64 at 8 warps 1 272 B of stack,
         # 32 x 64 360 B, 32 x 32 184 B; dv_local 320 B at 4 warps, none at 8
@@ -247,6 +247,10 @@ def variants_for(op: str, base):
             for st in (1, 2):
                 out[f"ranges4-rscan-s{st}"] = base.replace(consumer_ranges=4, reverse_scan={"num_stages": st})
             out["rscan-s2"] = base.replace(reverse_scan={"num_stages": 2})
+        # session 35: the reverse scan's state transposed (dSᵀ: both chained products read it from registers)
+        for name, rs in (("rscan-vk64", {"block_v": 64}), ("rscan-vk64-s2", {"block_v": 64, "num_stages": 2}),
+                         ("rscan-vk64-w8", {"block_v": 64, "num_warps": 8}), ("rscan-vk32", {"block_v": 32})):
+            out[name] = base.replace(reverse_scan_layout="vk", reverse_scan=rs)
         w4, w4k32 = {"num_warps": 4}, {"num_warps": 4, "block_k": 32}
         for name, changes in (("tma-1stage", dict(consumer_cfg={"num_stages": 1})),
                               ("tma-w4", dict(consumer_cfg=w4)),

@@ -7,8 +7,9 @@ step on the H200 (session 31: 119 µs for 32 chunks at (1, 2048, 16)), where FLA
 gated operands, takes about 1.5 µs (fla-baseline.md §14: 188 µs for 128 chunks). This times one launch of the scan
 (CUDA graph of 10 launches, medians of 15 replays) over state-tile widths, warps, pipeline stages, the per-chunk
 state's storage dtype and dv_local formed in the scan or read, at B·H = 4 and 16 and T = 2048, K = V = 128, bf16,
-unsplit (one program per state tile for the whole sequence). Also the DeltaNet scan (no gate) and the segment
-combine at several warp counts. Every configuration is compiled ahead in worker processes (one launch at a small
+unsplit (one program per state tile for the whole sequence). Also the DeltaNet and GDN scans (no gate, scalar gate),
+in both state layouts (Schedule.reverse_scan_layout), beside FLA's on the same inputs, and the segment combine at
+several warp counts. Every configuration is compiled ahead in worker processes (one launch at a small
 shape each) so that the timing process only loads binaries.
 """
 
@@ -24,13 +25,17 @@ K = V = 128
 C = 64
 T = 2048
 HEADS = (4, 16)
-# (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, scan.EARLY_GATE_ROW]): the KDA/GDN2 policy-A
-# default (session 32's, with fp32 states) first; session 33's first call timed these before EARLY_GATE_ROW
+# (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, options]): options a tuple of (name, value),
+# ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state (Schedule.reverse_scan_layout).
+# The KDA/GDN2 policy-A default (session 32's, with fp32 states) first; session 33's first call timed these before
+# EARLY_GATE_ROW
+LATE = (("early", False),)
+VK = (("layout", "vk"),)
 SCANS = [
     ("kda-A default", "kda", 64, 4, 3, "fp32", True),
-    ("kda-A late G_n", "kda", 64, 4, 3, "fp32", True, False),
-    ("kda-A bf16 late G_n", "kda", 64, 4, 3, "bf16", True, False),
-    ("kda-A BV32 bf16 late G_n", "kda", 32, 4, 3, "bf16", True, False),
+    ("kda-A late G_n", "kda", 64, 4, 3, "fp32", True, LATE),
+    ("kda-A bf16 late G_n", "kda", 64, 4, 3, "bf16", True, LATE),
+    ("kda-A BV32 bf16 late G_n", "kda", 32, 4, 3, "bf16", True, LATE),
     ("kda-A bf16 states", "kda", 64, 4, 3, "bf16", True),
     ("kda-A 8 warps", "kda", 64, 8, 3, "fp32", True),
     ("kda-A 2 stages", "kda", 64, 4, 2, "fp32", True),
@@ -44,6 +49,13 @@ SCANS = [
     ("deltanet BV32 bf16", "none", 32, 4, 3, "bf16", False),
     ("deltanet BV64 bf16", "none", 64, 4, 3, "bf16", False),
     ("deltanet BV32 fp32", "none", 32, 4, 3, "fp32", False),
+    # session 35: the transposed state (rewy_bwd_scan_vk_kernel), DeltaNet and GDN (scalar gate)
+    ("deltanet vk BV64 bf16", "none", 64, 4, 3, "bf16", False, VK),
+    ("deltanet vk BV64 s2", "none", 64, 4, 2, "bf16", False, VK),
+    ("deltanet vk BV64 8 warps", "none", 64, 8, 3, "bf16", False, VK),
+    ("deltanet vk BV32 bf16", "none", 32, 4, 3, "bf16", False, VK),
+    ("gdn BV32 bf16", "gdn", 32, 4, 3, "bf16", False),
+    ("gdn vk BV64 bf16", "gdn", 64, 4, 3, "bf16", False, VK),
 ]
 COMBINE_WARPS = (1, 2, 4, 8)
 COMBINE_CASES = ((4, 4), (4, 8))  # (B·H, segments)
@@ -60,6 +72,9 @@ def _inputs(BH: int, T_: int, gate: str, seed: int = 0) -> dict:
     if gate == "kda":  # fla-core's gate cumsum in log2 units: decreasing within each chunk, small
         step = -torch.rand(B, T_, H, K, device="cuda", generator=g) * 0.02
         x["G"] = step.view(B, T_ // C, C, H, K).cumsum(2).view(B, T_, H, K).contiguous()
+    elif gate == "gdn":  # a scalar gate's chunk cumsum (natural log)
+        step = -torch.rand(B, T_, H, device="cuda", generator=g) * 0.02
+        x["G"] = step.view(B, T_ // C, C, H).cumsum(2).view(B, T_, H).contiguous()
     else:
         x["G"] = None
     return x
@@ -68,15 +83,17 @@ def _inputs(BH: int, T_: int, gate: str, seed: int = 0) -> dict:
 def _scan_fn(cfg, x):
     from rewy_tune.kernels.triton import scan
 
-    _, gate, BV, warps, stages, state, in_scan, *early = cfg
+    _, gate, BV, warps, stages, state, in_scan, *opts = cfg
+    opts = dict(opts[0]) if opts else {}
     kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=BV, num_warps=warps, num_stages=stages,
-              state_dtype=torch.float32 if state == "fp32" else torch.bfloat16, num_segments=1)
+              state_dtype=torch.float32 if state == "fp32" else torch.bfloat16, num_segments=1,
+              layout=opts.get("layout", "kv"))
     if gate == "kda":
         kw.update(pregated=True, q_scaled=False, gate_log2=True)
     dvl, aqk = (None, x["aqk"]) if in_scan else (x["dvl"], None)
 
     def fn():  # (the flag is read at launch time)
-        scan.EARLY_GATE_ROW = early[0] if early else True
+        scan.EARLY_GATE_ROW = opts.get("early", True)
         return scan.reverse_state_scan(x["q"], x["k"], x["W"], x["G"], x["do"], dvl, x["dht"], aqk=aqk, **kw)
     return fn
 
@@ -99,11 +116,12 @@ def _combine_fn(warps, bh, ns, gen_seed=0):
     return fn, h_in
 
 
-def _fla_fn(x):
+def _fla_fn(x, gate="kda"):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
 
-    return lambda: chunk_gated_delta_rule_bwd_dhu(q=x["q"], k=x["k"], w=x["W"], do=x["do"], dv=x["dvl"], gk=x["G"],
-                                                  dht=x["dht"], scale=K ** -0.5, chunk_size=C)
+    gates = {"kda": dict(gk=x["G"]), "gdn": dict(g=x["G"]), "none": {}}[gate]
+    return lambda: chunk_gated_delta_rule_bwd_dhu(q=x["q"], k=x["k"], w=x["W"], do=x["do"], dv=x["dvl"],
+                                                  dht=x["dht"], scale=K ** -0.5, chunk_size=C, **gates)
 
 
 def _compile_one(job) -> str:
@@ -138,8 +156,10 @@ def main() -> None:
     NT = T // C
     for BH in HEADS:
         print(f"== reverse scan, B·H = {BH}, T = {T} ({NT} chunks), unsplit: µs per launch, per chunk step")
-        xs = {gate: _inputs(BH, T, gate) for gate in ("kda", "none")}
-        rows = [("FLA dhu (gated q, k, gk)", lambda: _fla_fn(xs["kda"]))]
+        xs = {gate: _inputs(BH, T, gate) for gate in ("kda", "gdn", "none")}
+        rows = [("FLA dhu (gated q, k, gk)", lambda: _fla_fn(xs["kda"])),
+                ("FLA dhu (DeltaNet)", lambda: _fla_fn(xs["none"], "none")),
+                ("FLA dhu (GDN g)", lambda: _fla_fn(xs["gdn"], "gdn"))]
         rows += [(c[0], (lambda c=c: _scan_fn(c, xs[c[1]]))) for c in SCANS if compiled[c] == "ok"]
         for c in SCANS:
             if compiled[c] != "ok":

@@ -68,7 +68,10 @@ gate range. ``consumer_v_stages`` is read by the vector consumers only
 (joint and separate): the software-pipeline depth of their two loops over V tiles (phase 1, and the inter products
 P S0ᵀ, dO S0ᵀ, R dS1ᵀ), whose loads feed tensor-core products; the rest of the kernel keeps
 ``consumer_cfg.num_stages``. 0 follows ``consumer_cfg.num_stages`` (what the loops did before the field). The same
-arithmetic in the same order at any depth.
+arithmetic in the same order at any depth. ``reverse_scan_layout`` is read by the scalar gates' reverse scan: "kv"
+holds the state as dS [K, BV] register blocks, whose chained products take it and R̄ as shared-memory operands every
+chunk step; "vk" holds dSᵀ [BV, K], so both take their A operand from registers (``scan.rewy_bwd_scan_vk_kernel``;
+its value tiles want 64 columns for Hopper's wgmma). Vector gates keep "kv".
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ P_TILES = ("recompute", "stored")
 W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
 DQ_STAGES = ("consumer", "separate")
+REVERSE_SCAN_LAYOUTS = ("kv", "vk")  # the reverse scan's state: dS [K, BV] or its transpose dSᵀ [BV, K] (scan.py)
 CONSUMER_K_SPLITS = (0, 1, 2, 4)  # 0: "auto", chosen from the consumer's grid (local.programs_per_chunk)
 CONSUMER_RANGES = (0, 1, 2, 4, 8)  # the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
 CONSUMER_V_STAGES = (0, 1, 2, 3)  # pipeline depth of the vector consumers' V loops (0: consumer_cfg.num_stages)
@@ -176,6 +180,7 @@ class Schedule:
     scan_operands: str = "inline"  # vector gates: the scans gate K and Q in their loop, or read them "pregated"
     # (formed once), or (policy A) the "forward"'s saved qg, kg
     consumer_v_stages: int = 0  # vector consumers: pipeline depth of their V loops (0: consumer_cfg.num_stages)
+    reverse_scan_layout: str = "kv"  # scalar gates: the reverse scan's state as dS [K, BV] or transposed, dSᵀ [BV, K]
 
     def __post_init__(self) -> None:
         # integer choices: an int of the listed values (1.0 or True compare equal to 1, and would reach the kernels)
@@ -201,7 +206,7 @@ class Schedule:
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
                               ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES),
                               ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS), ("dq_stage", DQ_STAGES),
-                              ("scan_operands", SCAN_OPERANDS)):
+                              ("scan_operands", SCAN_OPERANDS), ("reverse_scan_layout", REVERSE_SCAN_LAYOUTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

@@ -88,6 +88,9 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
         "forward_scan_segments": SEGMENTS,
         "reverse_scan_segments": SEGMENTS,
         "scan_split_waves": list(SPLIT_WAVES),
+        # the reverse scan's state as dS or dSᵀ (session 35: the transposed kernel's products read it from registers;
+        # not yet timed on a GPU, so the tuner decides)
+        "reverse_scan_layout": ["kv", "vk"],
     }
     stage_tiles = {
         "recompute": (tk, tv), "forward_scan": (scan_k, [t for t in tv if t <= 128]), "dv_local": (tk, tv),

@@ -102,6 +102,7 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
     out["consumer"] = ["joint", "separate"]  # "joint_tma" is a scalar-gate consumer
     for name in scalar.TMA_ONLY_FIELDS:  # read by joint_tma only
         del out[name]
+    del out["reverse_scan_layout"]  # the transposed reverse scan takes scalar gates only
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
     out["scan_operands"] = [c for c in SCAN_OPERAND_CHOICES if not (policy == "R" and c == "forward")]
@@ -266,6 +267,9 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     reasons = tile_reasons(schedule, K, V)
     if schedule.consumer == "joint_tma":
         reasons.append("consumer 'joint_tma' is a DeltaNet/GDN consumer; KDA/GDN2 take 'joint' or 'separate'")
+    if schedule.reverse_scan_layout != "kv":
+        reasons.append(f"reverse_scan_layout={schedule.reverse_scan_layout!r}: the transposed reverse scan takes no "
+                       "gate or a scalar gate (DeltaNet/GDN); KDA/GDN2 take 'kv'")
     if schedule.intra not in INTRA_CHOICES:
         reasons.append(f"intra={schedule.intra!r} skips the range guard: exp(ΔG/2) overflows fp32 on strong "
                        f"decays (searched: {INTRA_CHOICES})")

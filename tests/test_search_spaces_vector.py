@@ -298,10 +298,15 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
     for K, V in ((64, 64), (128, 128), (256, 256), (128, 64)):
         sp = vector.space(K, V)
         base = vector.default_schedule((9, 0), K=K, V=V)
-        # the vector space is the scalar one without joint_tma's own fields (vector gates never run joint_tma)
+        # the vector space is the scalar one without joint_tma's own fields (vector gates never run joint_tma) and
+        # the transposed reverse scan (scalar gates only: the vector constraint rejects it)
         tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage"}
         assert set(scalar.TMA_ONLY_FIELDS) == tma_only
-        assert set(scalar.space(K, V)) - tma_only <= set(sp) and not tma_only & set(sp)
+        assert set(scalar.space(K, V)) - tma_only - {"reverse_scan_layout"} <= set(sp) and not tma_only & set(sp)
+        assert "reverse_scan_layout" not in sp and scalar.space(K, V)["reverse_scan_layout"] == ["kv", "vk"]
+        dims = {"K": K, "V": V, "dtype": "bf16", "compute_capability": (9, 0)}
+        assert any("the transposed reverse scan takes no gate or a scalar gate" in r
+                   for r in vector.constraint(base.replace(reverse_scan_layout="vk"), dims))
         assert not tma_only & set(vector.CONDITIONS)
         # both vector consumers read consumer_k_split; of the scalar ones only joint_tma does
         assert "consumer_k_split" in sp and "consumer_k_split" not in vector.CONDITIONS

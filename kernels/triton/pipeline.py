@@ -11,7 +11,7 @@ Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
-reverse_state_scan; producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
+reverse_state_scan (+ reverse_scan_layout: the state as dS or dSᵀ); producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
 (joint_tma: `consumer_tma.py`, with consumer_order, column_side, p_tiles and consumer_k_split); cumsum →
 chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and
 recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
@@ -476,7 +476,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # forward scan)
     NT = triton.cdiv(q.shape[1], C)
     n_ranges = 1 if mode == "reverse_scan" else consumer_range_count(sc, NT, vector=vector)  # as if it did not split
-    may_chase = mode != "reverse_scan" and consumer_chases_scan(sc, k.device, vector=vector)
+    may_chase = (mode != "reverse_scan" and sc.reverse_scan_layout == "kv"  # (only the "kv" scan publishes)
+                 and consumer_chases_scan(sc, k.device, vector=vector))
     chase = None  # the scan's per-chunk counters, where the consumer chases it (one scan launch, unsplit)
     if n_ranges > 1 or scan_aqk is not None or may_chase:  # (only then: what it would split into)
         segments = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=rs.block_v,
@@ -491,7 +492,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
                      num_segments=1 if chase is not None else sc.reverse_scan_segments,
                      split_max_programs=split_limit, pregated=pregated, q_scaled=q_scaled,
-                     gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase)
+                     gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase, layout=sc.reverse_scan_layout)
 
     qc = sc.consumer_cfg  # the query-side stage takes the consumer's tiles
     query_args = dict(scale=scale, chunk_size=C, BK=qc.block_k, BV=qc.block_v, num_warps=qc.num_warps,

@@ -73,6 +73,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rewy_tune.schedule import REVERSE_SCAN_LAYOUTS
+
 from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
 # EARLY_GATE_ROW (pregated vector gates, GATE 3 and 4): both scans load Γ_n, the chunk's last gate row, at the top of
@@ -509,6 +511,136 @@ def rewy_bwd_scan_kernel(
             _state_block_store(p_x, b_d3, cols, m_x, XW, 3, K, KB)
 
 
+# The reverse scan with the state kept transposed, dSᵀ [BV, K] (Schedule.reverse_scan_layout "vk"; scalar or no gate,
+# PHASE 0 only: a split scan's transfer pass and combine stay with the kernel above, which has the same segments).
+# Both products a chunk step chains through take their A operand from registers: R̄ᵀ = dSᵀ K_tᵀ, then
+# dSᵀ ← Γ_n dSᵀ + (s·dO)ᵀ Q − R̄ᵀ W. The "kv" kernel's state and R̄ are B operands, staged in shared memory (a store, a
+# fence and a CTA barrier each) every step; here neither is, and with K ≤ 128 the state is one register block, so a
+# step chains three tensor-core products instead of six (sm_90, K = 128). Value tiles of 64 fill wgmma's M.
+# The same products up to the order of their sums.
+
+
+@triton.jit
+def _vk_block_init(h_in, off, cols, is_col, i_kb: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr,
+                   BV: tl.constexpr, USE_IN: tl.constexpr):
+    # columns [i_kb·KB, i_kb·KB + KB) of the entering dSᵀ (from a [K, V] state; zero without one)
+    o_k = i_kb * KB + tl.arange(0, KB)
+    if USE_IN:
+        b = tl.load(h_in + off + o_k[None, :] * V + cols[:, None], mask=is_col[:, None] & (o_k < K)[None, :],
+                    other=0.0).to(tl.float32)
+    else:
+        b = tl.zeros([BV, KB], dtype=tl.float32)
+    return b
+
+
+@triton.jit
+def _vk_block_store(p, b, cols, is_col, i_kb: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    # dSᵀ's columns of block i_kb into a [K, V] state at p
+    o_k = i_kb * KB + tl.arange(0, KB)
+    tl.store(p + o_k[None, :] * V + cols[:, None], b.to(p.dtype.element_ty), mask=is_col[:, None] & (o_k < K)[None, :])
+
+
+@triton.jit
+def _vk_rbar_dot(acc, k, tok, m_row, b_d, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr):
+    # acc + dSᵀ[:, block] · K[:, block]ᵀ = (K dS)ᵀ, Kᵀ loaded transposed [KB, BT]
+    o_k = i_kb * KB + tl.arange(0, KB)
+    b_kt = tl.load(k + tok[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_row[None, :], other=0.0)
+    return _mma(b_d.to(k.dtype.element_ty), b_kt, acc, PREC)
+
+
+@triton.jit
+def _vk_state_update(b_d, q, W, tok, m_row, b_dot, b_nrbt, b_egl, i_kb: tl.constexpr, K: tl.constexpr,
+                     KB: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+    # dSᵀ[:, block] ← Γ_n dSᵀ[:, block] + (s·dO)ᵀ Q[:, block] − R̄ᵀ W[:, block] (b_dot: dOᵀ with its columns scaled by
+    # s, or s·exp(G) with a scalar gate; b_nrbt = −R̄ᵀ, both in the input dtype)
+    o_k = i_kb * KB + tl.arange(0, KB)
+    m_rk = m_row[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+    b_w = tl.load(W + tok[:, None] * K + o_k[None, :], mask=m_rk, other=0.0)
+    if GATE == 1:
+        b_d = b_d * b_egl
+    b_d = _mma(b_dot, b_q, b_d, PREC)
+    return _mma(b_nrbt, b_w, b_d, PREC)
+
+
+@triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
+def rewy_bwd_scan_vk_kernel(
+    q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, carry,
+    scale, T, NT, CPS, SEG_OFFSET,
+    H, K: tl.constexpr, V: tl.constexpr, NS: tl.constexpr,
+    BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+    CARRY: tl.constexpr, IN_CARRY: tl.constexpr,
+):
+    # rewy_bwd_scan_kernel's PHASE 0 (its segments, carry slots and outputs), the state as dSᵀ in NB register blocks
+    # of [BV, KB] (KB ≤ 128). GATE 0 (none) or 1 (scalar); HAS_DVL 0 or 1 (dv_local read).
+    i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
+    i_b, i_h = i_bh // H, i_bh % H
+    cols = i_c * BV + tl.arange(0, BV)
+    is_col = cols < V
+    dt = k.dtype.element_ty
+    p_in = (i_bh * NS + i_s) * K * V
+    if CARRY:
+        if IN_CARRY:
+            p_in = (i_bh * 2 + i_s % 2) * K * V
+        else:
+            p_in = i_bh * K * V
+    b_d0 = _vk_block_init(dh_in, p_in, cols, is_col, 0, K, V, KB, BV, USE_DH_IN)
+    if NB > 1:
+        b_d1 = _vk_block_init(dh_in, p_in, cols, is_col, 1, K, V, KB, BV, USE_DH_IN)
+
+    c0 = i_s * CPS
+    c1 = tl.minimum(c0 + CPS, NT)
+    o_t = tl.arange(0, BT)
+    for i_r in range(0, c1 - c0):
+        i_t = c1 - 1 - i_r
+        rows = i_t * BT + o_t
+        m_row = rows < T
+        tok = (i_b * T + rows) * H + i_h
+        p_d = dS1 + ((i_b * NT + i_t) * H + i_h) * K * V
+        _vk_block_store(p_d, b_d0, cols, is_col, 0, K, V, KB)
+        if NB > 1:
+            _vk_block_store(p_d, b_d1, cols, is_col, 1, K, V, KB)
+        m_vr = is_col[:, None] & m_row[None, :]
+        # R̄ᵀ = dv_localᵀ + (K_t dS1)ᵀ
+        b_rbt = tl.zeros([BV, BT], dtype=tl.float32)
+        b_rbt = _vk_rbar_dot(b_rbt, k, tok, m_row, b_d0, 0, K, KB, PREC)
+        if NB > 1:
+            b_rbt = _vk_rbar_dot(b_rbt, k, tok, m_row, b_d1, 1, K, KB, PREC)
+        b_dot = tl.load(do + tok[None, :] * V + cols[:, None], mask=m_vr, other=0.0).to(tl.float32)
+        b_egl = 1.0
+        if GATE == 1:
+            tok_last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
+            b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
+            b_gl = tl.load(G + tok_last).to(tl.float32)
+            # as the "kv" kernel: the gates scale R̄ᵀ's and dOᵀ's columns (tokens); past T the decay itself is masked
+            b_rbt = b_rbt * tl.where(m_row, tl.exp(b_gl - b_g), 0.0)[None, :]
+            b_dot = (b_dot * (tl.exp(b_g) * scale)[None, :]).to(dt)
+            b_egl = tl.exp(b_gl)
+        else:
+            b_dot = (b_dot * scale).to(dt)
+        if HAS_DVL:
+            b_rbt += tl.load(dvl + tok[None, :] * V + cols[:, None], mask=m_vr, other=0.0).to(tl.float32)
+        tl.store(Rbar + tok[None, :] * V + cols[:, None], b_rbt.to(Rbar.dtype.element_ty), mask=m_vr)
+        b_nrbt = (-b_rbt).to(dt)
+        b_d0 = _vk_state_update(b_d0, q, W, tok, m_row, b_dot, b_nrbt, b_egl, 0, K, KB, GATE, PREC)
+        if NB > 1:
+            b_d1 = _vk_state_update(b_d1, q, W, tok, m_row, b_dot, b_nrbt, b_egl, 1, K, KB, GATE, PREC)
+
+    if CARRY:
+        if i_s > 0:
+            p_c = carry + (i_bh * 2 + (i_s - 1) % 2) * K * V
+            _vk_block_store(p_c, b_d0, cols, is_col, 0, K, V, KB)
+            if NB > 1:
+                _vk_block_store(p_c, b_d1, cols, is_col, 1, K, V, KB)
+    if STORE_DH0:
+        if i_s == 0:
+            p_0 = dh0 + i_bh * K * V
+            _vk_block_store(p_0, b_d0, cols, is_col, 0, K, V, KB)
+            if NB > 1:
+                _vk_block_store(p_0, b_d1, cols, is_col, 1, K, V, KB)
+
+
 @triton.jit
 def _combine_first_block(h_first, h_dst, i_bh, cols, m_c, ib: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          KB: tl.constexpr, BV: tl.constexpr, USE_FIRST: tl.constexpr):
@@ -901,6 +1033,7 @@ def reverse_state_scan_ranges(
     gate_log2: bool = False,
     aqk: torch.Tensor | None = None,
     progress: ScanProgress | None = None,
+    layout: str = "kv",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -928,6 +1061,9 @@ def reverse_state_scan_ranges(
     (`pipeline.consumer_chases_scan`): each program adds 1 to progress.flags[bh, chunk] once that chunk's dS1 and R̄
     are stored. With progress.pdl the scan lets the next launch on its stream start as its programmatic dependent:
     that launch must be the chasing consumer. Only where the scan runs unsplit in one range.
+    layout (Schedule.reverse_scan_layout): "kv" keeps the state as dS [K, BV] register blocks, "vk" as dSᵀ [BV, K]
+    (`rewy_bwd_scan_vk_kernel`: no gate or a scalar gate, dv_local read or none; not with aqk or progress). A split
+    scan's transfer pass and combine run the "kv" kernel either way.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -943,6 +1079,11 @@ def reverse_state_scan_ranges(
         raise ValueError(f"dht must have shape {(B, H, K, V)}, got {tuple(dht.shape)}")
     gk = gate_kind(G, k)
     code = _gate_code(gk, pregated, q_scaled)
+    if layout not in REVERSE_SCAN_LAYOUTS:
+        raise ValueError(f"layout must be one of {REVERSE_SCAN_LAYOUTS}, got {layout!r}")
+    if layout == "vk" and (code > 1 or aqk is not None or progress is not None):
+        raise ValueError("layout 'vk' (the transposed state) scans with no gate or a scalar gate [B,T,H], reading "
+                         "dv_local or none: not a vector gate, aqk= or progress=")
     if not isinstance(gate_log2, bool):
         raise TypeError(f"gate_log2 must be a bool, got {type(gate_log2).__name__}")
     if gate_log2 and not pregated:
@@ -988,6 +1129,12 @@ def reverse_state_scan_ranges(
     dh_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device) if NS > 1 else dht
     carry = torch.empty(B * H, 2, K, V, dtype=torch.float32, device=k.device) if len(ranges) > 1 else None
 
+    vk = None  # the "vk" kernel's launch arguments beyond the shared tensors and sizes
+    if layout == "vk":
+        KBv = min(128, max(16, triton.next_power_of_2(K)))
+        vk = dict(H=H, K=K, V=V, BT=chunk_size, KB=KBv, NB=triton.cdiv(K, KBv), BV=BV, GATE=code,
+                  HAS_DVL=dvl_kind, PREC=prec, num_warps=num_warps, num_stages=num_stages)
+
     def whole():
         if NS > 1:
             grid1 = (triton.cdiv(VP + K, BV), B * H, NS - 1)  # segment 0's transfer is never used
@@ -996,10 +1143,15 @@ def reverse_state_scan_ranges(
                                         IN_CARRY=False, PUBLISH=False, PDL=False, **common)
             _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, reverse=True, prec=prec,
                              num_warps=num_warps)
-        rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, None, flags,
-                                              scale, T, NT, CPS, 0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None,
-                                              STORE_DH0=want_dh0, CARRY=False, IN_CARRY=False,
-                                              PUBLISH=flags is not None, PDL=pdl, **common)
+        if vk is not None:
+            rewy_bwd_scan_vk_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT,
+                                                     CPS, 0, NS=NS, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,
+                                                     CARRY=False, IN_CARRY=False, **vk)
+        else:
+            rewy_bwd_scan_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, None, flags,
+                                                  scale, T, NT, CPS, 0, NS=NS, PHASE=0, USE_DH_IN=dh_in is not None,
+                                                  STORE_DH0=want_dh0, CARRY=False, IN_CARRY=False,
+                                                  PUBLISH=flags is not None, PDL=pdl, **common)
         yield 0, NT
 
     def in_ranges():
@@ -1007,10 +1159,14 @@ def reverse_state_scan_ranges(
         for i_s, (c0, c1) in zip(reversed(range(NR)), ranges):
             # carry: two slots, used in turn; the first range enters from dht itself (no copy into the carry)
             first = i_s == NR - 1
-            rewy_bwd_scan_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, dht if first else carry, dS1, Rbar, dh0, None,
-                                                 carry, None, scale, T, NT, per, i_s, NS=NR, PHASE=0,
-                                                 USE_DH_IN=dht is not None or not first, STORE_DH0=want_dh0,
-                                                 CARRY=True, IN_CARRY=not first, PUBLISH=False, PDL=False, **common)
+            step = dict(USE_DH_IN=dht is not None or not first, STORE_DH0=want_dh0, CARRY=True, IN_CARRY=not first)
+            if vk is not None:
+                rewy_bwd_scan_vk_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, dht if first else carry, dS1, Rbar,
+                                                        dh0, carry, scale, T, NT, per, i_s, NS=NR, **step, **vk)
+            else:
+                rewy_bwd_scan_kernel[(NV, B * H, 1)](q, k, W, G, do, dvl, dht if first else carry, dS1, Rbar, dh0,
+                                                     None, carry, None, scale, T, NT, per, i_s, NS=NR, PHASE=0,
+                                                     PUBLISH=False, PDL=False, **step, **common)
             yield c0, c1
 
     return dS1, Rbar, dh0, (whole() if len(ranges) == 1 else in_ranges())

@@ -44,6 +44,8 @@ OTHERS = {
                                  p_tiles="stored", consumer_cfg={"block_k": 16}),
     "tma-k-split": BASE.replace(consumer="joint_tma", consumer_order="dq_first", column_side="gamma_t",
                                 consumer_k_split=2, consumer_cfg={"block_k": 16}),
+    # the reverse scan's state transposed (scan.rewy_bwd_scan_vk_kernel), with the descriptor consumer
+    "rscan-vk": BASE.replace(reverse_scan_layout="vk", consumer="joint_tma", consumer_cfg={"block_k": 16}),
 }
 
 
@@ -1188,6 +1190,24 @@ def test_gpu_query_side_stage_race_beside(op, policy):
         for n in NAMES:
             if in_order[n] is not None:
                 assert torch.equal(in_order[n], beside[n]), n
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 4), (1, 1000, 4)])
+def test_gpu_reverse_scan_transposed(op, B, T, H, policy):
+    # Schedule.reverse_scan_layout "vk" (session 35, interpreter-tested only until this runs): 64-wide value tiles at 4
+    # and 8 warps, 32-wide (no wgmma there) at 4; the bf16 gate and run-twice bits
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 3, gate_div=1.0)
+    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    for bv, warps in ((64, 4), (64, 8), (32, 4)):
+        s = _gpu_default().replace(reverse_scan_layout="vk", reverse_scan={"block_v": bv, "num_warps": warps})
+        out = run_triton(x, s, policy)
+        ctx = f"gpu {op} {B},{T},{H} {policy} vk BV {bv} {warps} warps"
+        assert_bf16(out, ref, ctx)
+        assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
 
 
 @pytest.mark.gpu

@@ -313,6 +313,53 @@ def test_reverse_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state
     check(dh0, hr, dtype, "dh0")
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+@pytest.mark.parametrize("B,T,H,K,V,C,BV,with_state,num_segments,dvl", [
+    (1, 100, 2, 32, 48, 16, 16, True, 1, True),  # a tail, V not a multiple of BV
+    (2, 64, 1, 64, 64, 16, 32, False, 2, True),  # split: the "kv" kernel's transfer pass, then this kernel
+    (1, 130, 1, 128, 64, 32, 64, True, 3, False),  # no dv_local
+    (1, 70, 1, 256, 32, 32, 16, True, 1, True),  # K = 256: two register blocks of 128 columns
+])
+def test_reverse_state_scan_transposed(B, T, H, K, V, C, BV, with_state, num_segments, dvl, gate):
+    # layout "vk" (Schedule.reverse_scan_layout): the state held as dSᵀ, against the float64 reference, and its chunk
+    # ranges (one launch per range, the state carried in fp32) give the bits of one launch
+    from rewy_tune.kernels.triton.scan import chunk_ranges, reverse_state_scan_ranges
+
+    s = _scan_inputs(B, T, H, K, V, C, gate, torch.float32, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(B, T, H, V, generator=gen).to(DEV)
+    dv = torch.randn(B, T, H, V, generator=gen).to(DEV) if dvl else None
+    dht = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
+    kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=BV, num_warps=4, num_stages=2, want_dh0=True, layout="vk")
+    with poison_allocations():
+        dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_segments=num_segments,
+                                          **kw)
+    dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, kw["scale"], C)
+    check(dS1, dr, torch.float32, "dS1 per chunk")
+    check(Rb, Rr, torch.float32, "Rbar")
+    check(dh0, hr, torch.float32, "dh0")
+    one = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, **kw)
+    *ranged, launches = reverse_state_scan_ranges(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_ranges=3, **kw)
+    assert list(launches) == chunk_ranges(triton.cdiv(T, C), 3)
+    for name, a, b in zip(("dS1", "Rbar", "dh0"), one, ranged):
+        assert torch.equal(a, b), name
+
+
+def test_reverse_state_scan_transposed_refuses_what_it_does_not_scan():
+    from rewy_tune.kernels.triton.scan import reverse_state_scan_ranges, scan_progress
+
+    s = _scan_inputs(1, 64, 1, 32, 32, 16, "vector", torch.float32, seed=8)
+    do = torch.randn(1, 64, 1, 32).to(DEV)
+    kw = dict(scale=0.2, chunk_size=16, BK=32, BV=16)
+    with pytest.raises(ValueError, match=r"layout 'vk' \(the transposed state\) scans with no gate or a scalar gate"):
+        reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, None, layout="vk", **kw)
+    with pytest.raises(ValueError, match=r"not a vector gate, aqk= or progress="):
+        reverse_state_scan_ranges(s["q"], s["k"], s["W"], None, do, None, None, layout="vk",
+                                  progress=scan_progress(s["k"], 32, chunk_size=16, BV=16), **kw)
+    with pytest.raises(ValueError, match=r"layout must be one of \('kv', 'vk'\), got 'vk '"):
+        reverse_state_scan(s["q"], s["k"], s["W"], None, do, None, None, layout="vk ", **kw)
+
+
 @pytest.mark.parametrize("K,V,NS", [(32, 40, 2), (64, 64, 3), (128, 48, 5), (256, 16, 3)])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("first", [False, True])
