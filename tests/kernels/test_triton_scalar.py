@@ -380,6 +380,7 @@ FIELD_CHANGES = {
     "consumer_ranges": 2,  # read by joint_tma: paired with it below; see also test_consumer_ranges_*
     "scan_operands": "pregated",  # read by vector gates only (test_triton_vector.py); scalar gates ignore it
     "consumer_v_stages": 2,  # read by the vector consumers only (test_triton_vector.py); scalar gates ignore it
+    "reverse_scan_layout": "vk",  # see also test_reverse_state_scan_transposed (test_triton_shared_stages.py)
 }
 
 
