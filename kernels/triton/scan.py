@@ -353,6 +353,33 @@ def _publish(p_count, PDL: tl.constexpr):
     tl.atomic_add(p_count, 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def _reverse_scan_program(SEG_OFFSET, H, NS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                          CARRY: tl.constexpr, IN_CARRY: tl.constexpr):
+    """This program's (value tile, b, h, segment), its columns and their mask, and the offset of its entering state:
+    segment s's in dh_in [BH, NS, K, V], or with CARRY (chunk ranges: two carry slots per state, used in turn; this
+    launch reads slot s % 2 and writes the other) slot s % 2 of the carry, or for the first range (not IN_CARRY)
+    dht [BH, K, V] itself."""
+    i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
+    i_b, i_h = i_bh // H, i_bh % H
+    cols = i_c * BV + tl.arange(0, BV)
+    is_col = cols < V
+    p_in = (i_bh * NS + i_s) * K * V
+    if CARRY:
+        if IN_CARRY:
+            p_in = (i_bh * 2 + i_s % 2) * K * V
+        else:
+            p_in = i_bh * K * V
+    return i_bh, i_b, i_h, i_s, cols, is_col, p_in
+
+
+@triton.jit
+def _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT: tl.constexpr):
+    """Rows of chunk i_t: their mask (past T) and token offsets (b, t, h) into [B, T, H, ...] tensors."""
+    rows = i_t * BT + tl.arange(0, BT)
+    return rows < T, (i_b * T + rows) * H + i_h
+
+
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
 def rewy_bwd_scan_kernel(
     q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X, carry, progress,
@@ -384,17 +411,8 @@ def rewy_bwd_scan_kernel(
     # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
-    i_b, i_h = i_bh // H, i_bh % H
-    cols = i_c * BV + tl.arange(0, BV)
-    is_bias = cols < V
+    i_bh, i_b, i_h, i_s, cols, is_bias, p_in = _reverse_scan_program(SEG_OFFSET, H, NS, K, V, BV, CARRY, IN_CARRY)
     dt = k.dtype.element_ty
-    p_in = (i_bh * NS + i_s) * K * V
-    if CARRY:  # two carry slots per state, used in turn: this launch reads slot s % 2 and writes the other
-        if IN_CARRY:
-            p_in = (i_bh * 2 + i_s % 2) * K * V
-        else:
-            p_in = i_bh * K * V
     b_d0 = _state_block_init(dh_in, p_in, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_DH_IN)
     if NB > 1:
         b_d1 = _state_block_init(dh_in, p_in, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_DH_IN)
@@ -408,9 +426,7 @@ def rewy_bwd_scan_kernel(
     o_t = tl.arange(0, BT)
     for i_r in range(0, c1 - c0):
         i_t = c1 - 1 - i_r
-        rows = i_t * BT + o_t
-        m_row = rows < T
-        tok = (i_b * T + rows) * H + i_h
+        m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
         tok_last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
         if PHASE == 0:
             if PUBLISH:  # the chunk before (i_t + 1), whose stores had this chunk's loads and products to drain
@@ -574,29 +590,17 @@ def rewy_bwd_scan_vk_kernel(
 ):
     # rewy_bwd_scan_kernel's PHASE 0 (its segments, carry slots and outputs), the state as dSᵀ in NB register blocks
     # of [BV, KB] (KB ≤ 128). GATE 0 (none) or 1 (scalar); HAS_DVL 0 or 1 (dv_local read).
-    i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
-    i_b, i_h = i_bh // H, i_bh % H
-    cols = i_c * BV + tl.arange(0, BV)
-    is_col = cols < V
+    i_bh, i_b, i_h, i_s, cols, is_col, p_in = _reverse_scan_program(SEG_OFFSET, H, NS, K, V, BV, CARRY, IN_CARRY)
     dt = k.dtype.element_ty
-    p_in = (i_bh * NS + i_s) * K * V
-    if CARRY:
-        if IN_CARRY:
-            p_in = (i_bh * 2 + i_s % 2) * K * V
-        else:
-            p_in = i_bh * K * V
     b_d0 = _vk_block_init(dh_in, p_in, cols, is_col, 0, K, V, KB, BV, USE_DH_IN)
     if NB > 1:
         b_d1 = _vk_block_init(dh_in, p_in, cols, is_col, 1, K, V, KB, BV, USE_DH_IN)
 
     c0 = i_s * CPS
     c1 = tl.minimum(c0 + CPS, NT)
-    o_t = tl.arange(0, BT)
     for i_r in range(0, c1 - c0):
         i_t = c1 - 1 - i_r
-        rows = i_t * BT + o_t
-        m_row = rows < T
-        tok = (i_b * T + rows) * H + i_h
+        m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
         p_d = dS1 + ((i_b * NT + i_t) * H + i_h) * K * V
         _vk_block_store(p_d, b_d0, cols, is_col, 0, K, V, KB)
         if NB > 1:
