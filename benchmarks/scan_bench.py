@@ -26,7 +26,8 @@ C = 64
 T = 2048
 HEADS = (4, 16)
 # (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, options]): options a tuple of (name, value),
-# ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state (Schedule.reverse_scan_layout).
+# ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state
+# (Schedule.reverse_scan_layout).
 # The KDA/GDN2 policy-A default (session 32's, with fp32 states) first; session 33's first call timed these before
 # EARLY_GATE_ROW
 LATE = (("early", False),)

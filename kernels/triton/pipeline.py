@@ -11,8 +11,8 @@ Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
-reverse_state_scan (+ reverse_scan_layout: the state as dS or dSᵀ); producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer
-(joint_tma: `consumer_tma.py`, with consumer_order, column_side, p_tiles and consumer_k_split); cumsum →
+reverse_state_scan (+ reverse_scan_layout: the state as dS or dSᵀ); producer + pd_dtype → producer (separate
+only); consumer_cfg + consumer → consumer (joint_tma: `consumer_tma.py`, with consumer_order, column_side, p_tiles and consumer_k_split); cumsum →
 chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and
 recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
 policy A with "forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages
@@ -23,8 +23,8 @@ scan.
 consumer_ranges > 1 (joint_tma; where the reverse scan runs last and alone) → the reverse scan in chunk ranges on
 the side stream (`scan.reverse_state_scan_ranges`), each range's consumer on the main stream after its scan range
 (`_scan_beside_consumer`); with the query-side stage (an explicit count, policy A with the forward's W) the stage runs
-on the main stream beside the ranged scan, before the first consumer range. scan_operands "pregated" (vector gates) → `scan_operands.gated_scan_operands` forms K_t and
-Q_g once, before the scans, which then read them (``pregated=True``); "forward" (policy A) → the autograd Function
+on the main stream beside the ranged scan, before the first consumer range. scan_operands "pregated" (vector
+gates) → `scan_operands.gated_scan_operands` forms K_t and Q_g once, before the scans, which then read them (``pregated=True``); "forward" (policy A) → the autograd Function
 passes fla-core's saved qg and kg (``scan_qk``), the reverse scan reads them (``q_scaled=False``), and the chunk
 cumsum writes the consumer's gate range: no scan-operands stage runs.
 """

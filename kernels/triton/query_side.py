@@ -21,8 +21,8 @@ and 168 registers (sm_90, DeltaNet, 64 × 64 tiles, 4 warps, 2 stages) one of it
 program (176 KB) on an SM, so it does not keep the scan from its SMs.
 
 One program per (chunk, batch·head), the consumer's tiles (``consumer_cfg``): phase 1 a V loop for H and Hᵀ
-(⟨dO, R⟩ is H's diagonal), phase 2 per K tile a V loop for dO S0ᵀ, then the dq rows (``local._dq_rows``, the consumer's own epilogue)
-and dk_q. Block pointers: the kernel runs on any GPU and under the interpreter.
+(⟨dO, R⟩ is H's diagonal), phase 2 per K tile a V loop for dO S0ᵀ, then the dq rows (``local._dq_rows``, the
+consumer's own epilogue) and dk_q. Block pointers: the kernel runs on any GPU and under the interpreter.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def rewy_bwd_kernel_query_side(
 
 
 def query_side(q, k, R, S0, G, do, *, scale: float, chunk_size: int = 64, BK: int = 64, BV: int = 64,
-               num_warps: int = 4, num_stages: int = 2, out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               num_warps: int = 4, num_stages: int = 2,
+               out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq and dk_q [B,T,H,K] in q's and k's dtype, and Ḡ's query side [B,T,H] fp32 (None without a gate: G None).
 
     q, k [B,T,H,K]; R, do [B,T,H,V]; S0 [B,NT,H,K,V] (the forward scan's per-chunk states); G None | [B,T,H] fp32

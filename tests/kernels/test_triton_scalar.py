@@ -644,6 +644,28 @@ def test_consumer_ranges_follow_the_reverse_scan(op, monkeypatch):
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} consumer ranges")
 
 
+def test_query_side_writes_the_buffers_it_is_given():
+    # query_side(out=): the consumer's ranged call holds the buffers before the stage is launched; they must be the
+    # ones query_side_buffers makes, else a clear error
+    from rewy_tune.kernels.reference.chunk_forward import chunk_forward
+    from rewy_tune.kernels.triton.query_side import query_side, query_side_buffers
+
+    x = make_inputs("gdn", 1, 100, 2, 32, 32, seed=83)
+    fwd = chunk_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["beta"], scale=0.2, initial_state=x["h0"],
+                        chunk_size=64, save_states=True)
+    args = (x["q"], x["k"], fwd.R.contiguous(), fwd.S0.contiguous(), fwd.G, x["do"])
+    kw = dict(scale=0.2, BK=16, BV=16)
+    out = query_side_buffers(x["q"], x["k"], fwd.G)
+    got = query_side(*args, out=out, **kw)
+    assert all(a is b for a, b in zip(got, out))
+    for a, b in zip(got, query_side(*args, **kw)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"out must be \(dq, dk_q, Ḡ_q\) as query_side_buffers\(q, k, G\) makes them"):
+        query_side(*args, out=(out[0], out[1], None), **kw)  # GDN's Ḡ_q buffer missing
+    with pytest.raises(ValueError, match=r"out must be"):
+        query_side(*args, out=(out[0], out[1][:, :50], out[2]), **kw)
+
+
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_query_side_stage_runs_before_the_consumer_ranges(op, monkeypatch):
     # policy A with the forward's W, dq_stage "separate" and an explicit consumer_ranges: the reverse scan in ranges on
