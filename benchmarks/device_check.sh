@@ -14,7 +14,8 @@
 # bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0), combine (benchmarks/combine_bench.py: the
 # segment-combine kernel at 1-3 stages, COMBINE_S seconds), scanbench (benchmarks/scan_bench.py: the reverse scan alone
 # per chunk step against FLA's, SCANBENCH_S seconds), timeline (benchmarks/chase_timeline.py once per "|"-separated
-# argument list in TIMELINE_RUNS: each kernel's start and end in a replayed graph).
+# argument list in TIMELINE_RUNS: each kernel's start and end in a replayed graph), script (python3 $SCRIPT_ARGS, SCRIPT_S
+# seconds: a diagnostic of this checkout).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
 # own --set (--set forward_scan.block_v=32 --set forward_scan.num_stages=3), not one quoted string (session 17).
 # TCACHE_SAVE=1 returns Triton's compile cache (binaries and metadata) as $OUT/tcache.tgz.part-*; put them in .tcache/
@@ -135,6 +136,11 @@ step_timeline() {  # kernel start/end in a replayed graph (benchmarks/chase_time
     timeout "${TIMELINE_S:-120}" python3 benchmarks/chase_timeline.py $run 2>&1 \
       | grep -vE "Warning|warn|return \[o for o"
   done
+}
+step_script() {  # one more python script of this checkout: SCRIPT_ARGS its path and arguments, SCRIPT_S seconds
+  # shellcheck disable=SC2086
+  timeout "${SCRIPT_S:-120}" python3 $SCRIPT_ARGS > "$OUT/script.log" 2>&1
+  echo "script rc=$?"; grep -vE "Warning|warn|return \[o for o" "$OUT/script.log" | tail -c 5000
 }
 step_models() {
   timeout "${MODELS_S:-240}" python3 benchmarks/model_check.py ${MODELS_ARGS:-} --json "$RES/models.json" \

@@ -247,6 +247,13 @@ def variants_for(op: str, base):
             for st in (1, 2):
                 out[f"ranges4-rscan-s{st}"] = base.replace(consumer_ranges=4, reverse_scan={"num_stages": st})
             out["rscan-s2"] = base.replace(reverse_scan={"num_stages": 2})
+        # session 36: no dv_local stage (9 µs before DeltaNet A's scan at (1, 2048, 16)): the reverse scan's chunk steps
+        # form A_qk from their q, k tiles and dv_local with it, off the state's chain; also at 2 stages (less shared
+        # memory: the query-side stage's CTAs beside it) and with the consumer ranges
+        out["dvl-scan"] = base.replace(dv_local_source="scan")
+        out["dvl-scan-s2"] = base.replace(dv_local_source="scan", reverse_scan={"num_stages": 2})
+        if base.consumer == "joint_tma":
+            out["dvl-scan-ranges4"] = base.replace(dv_local_source="scan", consumer_ranges=4)
         # session 35: the reverse scan's state transposed (dSᵀ: both chained products read it from registers)
         for name, rs in (("rscan-vk64", {"block_v": 64}), ("rscan-vk64-s2", {"block_v": 64, "num_stages": 2}),
                          ("rscan-vk64-w8", {"block_v": 64, "num_warps": 8}), ("rscan-vk32", {"block_v": 32})):

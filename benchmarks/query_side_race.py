@@ -3,9 +3,14 @@ the H200, bf16 policy R at (2, 2048, 16), dk and GDN's dg differed from the in-o
 its bits, and so did the query-side stage called alone.)
 
     python benchmarks/query_side_race.py [--runs 8]
+    python benchmarks/query_side_race.py --ranges 2 [--shape 1,8152,16]
+
 
 Per operator: the query-side stage alone, run repeatedly (dq and dk's query part against the first run), then the
 whole backward in order and beside the scan under both policies (each output: how many runs differ from in-order).
+--ranges N (session 36: the stage before explicit consumer ranges, policy A, differed from in-order on the H200):
+the in-order run against the ranged one as it runs, with the ranges in order on one stream, with the stage
+synchronized on both sides, and without the stage; outputs from torch.empty start as NaN, as in the tests.
 Needs a CUDA GPU; reads the test suite's input and schedule helpers (tests/kernels).
 """
 
@@ -31,17 +36,68 @@ def where(a: torch.Tensor, b: torch.Tensor) -> str:
     if not bad.any():
         return "same"
     idx = bad.nonzero()
-    return (f"{int(bad.sum())} differ (max {(a.float() - b.float()).abs().max().item():.3g}) in chunks "
+    return (f"{int(bad.sum())} differ ({int(b.isnan().sum())} NaN) (max {(a.float() - b.float()).abs().max().item():.3g}) in chunks "
             f"{sorted(set((idx[:, 1] // 64).tolist()))[:12]} heads {sorted(set(idx[:, 2].tolist()))[:8]} "
             f"columns {sorted(set((idx[:, 3] // 16 * 16).tolist()))[:8]}")
+
+
+def poison_empty() -> None:
+    """torch.empty / empty_like start as NaN (the tests' nan_poison fixture): unwritten or early-read tiles show."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    torch.empty = lambda *a, **kw: poisoned(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poisoned(empty_like(*a, **kw))
+
+
+def ranges_check(B: int, Tn: int, H: int, n_ranges: int, runs: int) -> None:
+    from rewy_tune.kernels.triton import pipeline
+
+    poison_empty()
+    scan_beside = pipeline._scan_beside_consumer
+
+    def synchronized(launches, streams, gate_made=None, before_ranges=None):
+        def stage():
+            torch.cuda.synchronize()
+            before_ranges()
+            torch.cuda.synchronize()
+        return scan_beside(launches, streams, gate_made, stage if before_ranges is not None else None)
+
+    variants = {"as it runs": {}, "ranges on one stream": {"chase_streams": lambda device: None},
+                "stage synchronized": {"_scan_beside_consumer": synchronized}}
+    for op in ("deltanet", "gdn"):
+        x = T.make_inputs(op, B, Tn, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=n_ranges, gate_div=1.0)
+        s = T._gpu_default().replace(consumer="joint_tma", dq_stage="separate", consumer_ranges=n_ranges,
+                                     w_source="forward")
+        for stage in ("separate", "joint"):
+            s = s.replace(dq_stage=stage)
+            ref = T.run_triton(x, s.replace(side_stream="none", consumer_ranges=1), "A")
+            for name, patches in variants.items():
+                saved = {k: getattr(pipeline, k) for k in patches}
+                for k, v in patches.items():
+                    setattr(pipeline, k, v)
+                try:
+                    outs = [T.run_triton(x, s, "A") for _ in range(runs)]
+                finally:
+                    for k, v in saved.items():
+                        setattr(pipeline, k, v)
+                for n in T.NAMES:
+                    if ref[n] is not None:
+                        print(f"{op} dq_stage {stage} {n_ranges} ranges, {name}, {n}: "
+                              f"{[where(ref[n], o[n]) for o in outs]}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--shape", default="2,2048,16")
+    ap.add_argument("--ranges", type=int, default=0)
     args = ap.parse_args()
     B, Tn, H = (int(v) for v in args.shape.split(","))
+    if args.ranges:
+        return ranges_check(B, Tn, H, args.ranges, args.runs)
     for op in ("deltanet", "gdn"):
         x = T.make_inputs(op, B, Tn, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=4103, gate_div=1.0)
         scale = 128 ** -0.5

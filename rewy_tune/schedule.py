@@ -21,10 +21,12 @@ reverse_scan all four (block_k must cover K); producer block_v, num_warps, num_s
 (and block_k for vector gates). The search spaces pin the members a stage does not read to one value.
 ``forward_scan_segments`` / ``reverse_scan_segments`` cap each scan's sequence split; ``scan_split_waves`` (both
 scans) keeps a split only where the scan's grid is small enough to leave the GPU idle without it (`scan.py`).
-``intra``, ``intra_precision`` and ``dv_local_source`` are read only by vector-gate operators (KDA/GDN2); scalar
-gates form Λ exactly and accept any value. ``dv_local_source``: "recompute" rebuilds A_qk in dv_local from q, k, G;
-"forward" has the autograd Function save the forward's A_qk ([B,T,H,C] in the input dtype, FLA's ``Aqk``, which
-FLA's own backward keeps too) and dv_local multiplies it with dO. ``consumer_order`` is read only by the joint_tma
+``intra`` and ``intra_precision`` are read only by vector-gate operators (KDA/GDN2); scalar gates form Λ exactly and
+accept any value. ``dv_local_source``: "recompute" rebuilds A_qk in dv_local from q, k, G; "forward" (vector gates;
+scalar gates read it as "recompute") has the autograd Function save the forward's A_qk ([B,T,H,C] in the input
+dtype, FLA's ``Aqk``, which FLA's own backward keeps too) and dv_local multiplies it with dO; "scan" (scalar gates
+only) runs no dv_local stage: each chunk step of the reverse scan forms A_qk from its own q, k, G tiles, off the
+state's chain, and dv_local with it (`scan.reverse_state_scan(dv_local_from_qk=True)`). ``consumer_order`` is read only by the joint_tma
 consumer: "fused" forms Q̄_g, Ē_dir and K̄_t in one V pass, then dq and dk; "dq_first" gives Q̄_g its own V pass
 and finishes dq and dk's column side before forming Ē_dir and K̄_t (fewer live registers, S0 and Q, K read twice).
 ``column_side`` is read only by joint_tma too: "scratch" forms dk's column side Qᵀ Γ_q + (eK)ᵀ Γ_r as columns per K
@@ -96,7 +98,7 @@ PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
 INTRA_PRECISIONS = ("ieee", "tf32x3")
-DV_LOCAL_SOURCES = ("recompute", "forward")
+DV_LOCAL_SOURCES = ("recompute", "forward", "scan")
 SCAN_OPERANDS = ("inline", "pregated", "forward")
 CHUNK_SIZES = (16, 32, 64)
 SPLIT_WAVES = (0, 1, 2, 4)  # scan_split_waves: 0 = no occupancy limit on the sequence split

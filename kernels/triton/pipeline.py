@@ -393,7 +393,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     forward) the backward's chunk cumsum runs on a second stream beside dv_local and the scan (`_cumsum_beside`),
     off the path to the scan's first step; the consumer waits for it. scan_aqk (vector gates, the forward's A_qk in
     do's dtype): the reverse scan forms dv_local = A_qkᵀ dO itself, chunk by chunk (`reverse_state_scan(aqk=)`), and
-    no dv_local stage runs.
+    no dv_local stage runs. Scalar gates with Schedule.dv_local_source "scan": the reverse scan forms A_qk from q, k
+    and G as well (`reverse_state_scan(dv_local_from_qk=True)`), and no dv_local stage runs.
     """
     if W is not None:
         if S0 is None:
@@ -488,11 +489,15 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             scan_aqk = None  # dv_local runs as its own stage
         if may_chase and (segments == 1 or n_ranges > 1):  # in place of the ranges, unsplit as they are
             chase, n_ranges = scan_progress(k, v.shape[-1], chunk_size=C, BV=rs.block_v), 1
+    # Schedule.dv_local_source "scan" (scalar gates): the reverse scan forms A_qk and dv_local in each chunk step
+    qk_in_scan = not vector and sc.dv_local_source == "scan"
+    dvl_in_scan = scan_aqk is not None or qk_in_scan
     scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
                      num_segments=1 if chase is not None else sc.reverse_scan_segments,
                      split_max_programs=split_limit, pregated=pregated, q_scaled=q_scaled,
-                     gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase, layout=sc.reverse_scan_layout)
+                     gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase, layout=sc.reverse_scan_layout,
+                     dv_local_from_qk=qk_in_scan)
 
     qc = sc.consumer_cfg  # the query-side stage takes the consumer's tiles
     query_args = dict(scale=scale, chunk_size=C, BK=qc.block_k, BV=qc.block_v, num_warps=qc.num_warps,
@@ -511,8 +516,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # stages' device times added up, 1 % faster in all)
     lone_scan = W is not None and S0 is not None
     try:
-        dvl = None  # (scan_aqk: the reverse scan forms dv_local)
-        if side is not None and scan_aqk is None:  # fork: dv_local reads q, k, G and dO only
+        dvl = None  # (scan_aqk, qk_in_scan: the reverse scan forms dv_local)
+        if side is not None and not dvl_in_scan:  # fork: dv_local reads q, k, G and dO only
             dvl = torch.empty_like(do)
             if not lone_scan:
                 side.wait_stream(main)
@@ -548,7 +553,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         for t in (dS1, Rbar, dh0):
             if t is not None and t.is_cuda:  # (the CPU order test drives this path with stand-in streams)
                 t.record_stream(main)
-    if side is None and scan_aqk is None:
+    if side is None and not dvl_in_scan:
         dvl = dv_local(q, k, G, do, scale=scale, chunk_size=C, BK=dl.block_k, BV=dl.block_v,
                        num_warps=dl.num_warps, num_stages=dl.num_stages)
     ranges = dv_out = None  # Schedule.consumer_ranges: the consumer's chunk ranges, each after the scan's

@@ -380,6 +380,28 @@ def _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT: tl.constexpr):
     return rows < T, (i_b * T + rows) * H + i_h
 
 
+@triton.jit
+def _qk_transposed(q, k, G, tok, m_row, o_t, scale, K: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
+                   GATE: tl.constexpr, PREC: tl.constexpr):
+    # A_qkᵀ[j, i] = s Σ_f k_jf q_if Λ_ij for i ≥ j (Λ_ij = exp(G_i − G_j), 1 without a gate), [BT, BT] in k's
+    # dtype: K Qᵀ over the state's NB blocks of KB features, Qᵀ loaded transposed (no tl.trans of a product), masked
+    # before exponentiating, as `local.rewy_bwd_kernel_dv_local` forms it
+    b_at = tl.zeros([o_t.shape[0], o_t.shape[0]], dtype=tl.float32)
+    for i_kb in tl.static_range(NB):
+        o_k = i_kb * KB + tl.arange(0, KB)
+        m_k = o_k < K
+        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
+        b_at = _mma(b_k, b_qt, b_at, PREC)
+    m_at = (o_t[:, None] <= o_t[None, :]) & m_row[:, None] & m_row[None, :]
+    if GATE == 1:
+        b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
+        b_at = tl.where(m_at, b_at * tl.exp(tl.where(m_at, b_g[None, :] - b_g[:, None], 0.0)) * scale, 0.0)
+    else:
+        b_at = tl.where(m_at, b_at * scale, 0.0)
+    return b_at.to(k.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
 def rewy_bwd_scan_kernel(
     q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, X, carry, progress,
@@ -397,6 +419,8 @@ def rewy_bwd_scan_kernel(
     #          (the first range) from dh_in = dht [BH, K, V] itself (or zero).
     # HAS_DVL: 1 dvl is dv_local [B,T,H,V]; 2 dvl is the forward's A_qk [B,T,H,BT] (fla-core's Aqk: column j ≤ row i
     #          written) and each chunk step forms dv_local = A_qkᵀ dO itself, on the dO tile it loads anyway.
+    #          3 (no gate or a scalar gate): no dvl; each chunk step forms A_qkᵀ = s·K Qᵀ ⊙ Λᵀ from its own q, k
+    #          and G tiles, off the state's chain, then dv_local = A_qkᵀ dO (as `local.dv_local`'s kernel does).
     # PHASE 1: augmented transfer scan (bias columns from zero, identity columns without bias terms);
     #          stores the gradient at the segment's start into X[bh, s].
     # PUBLISH (PHASE 0; the consumer chases the scan, `reverse_state_scan_ranges(progress=)`): once a chunk's dS1
@@ -441,6 +465,8 @@ def rewy_bwd_scan_kernel(
             if NB > 3:
                 _state_block_store(p_d, b_d3, cols, is_bias, V, 3, K, KB)
         m_rv = m_row[:, None] & is_bias[None, :]
+        if HAS_DVL == 3:  # A_qkᵀ first: it reads no state, so its products need not wait for the chain's
+            b_at = _qk_transposed(q, k, G, tok, m_row, o_t, scale, K, KB, NB, GATE, PREC)
         # G_n per state block (EARLY_GN), issued before the products, whose time then hides the loads' latency
         b_gn0, b_gn1, b_gn2, b_gn3 = _early_gate_rows(G, tok_last, K, KB, NB, GATE, EARLY_GN)
         # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
@@ -475,6 +501,8 @@ def rewy_bwd_scan_kernel(
             b_a = tl.load(dvl + tok[:, None] * BT + o_t[None, :], mask=m_row[:, None], other=0.0)
             b_a = tl.where(o_t[None, :] <= o_t[:, None], b_a, 0.0).to(b_a.dtype)
             b_rb = _mma(tl.trans(b_a), b_do, b_rb, PREC)
+        elif HAS_DVL == 3:
+            b_rb = _mma(b_at, b_do.to(dt), b_rb, PREC)
         if PHASE == 0:
             tl.store(Rbar + tok[:, None] * V + cols[None, :], b_rb.to(Rbar.dtype.element_ty), mask=m_rv)
         b_nrb = (-b_rb).to(dt)
@@ -1038,6 +1066,7 @@ def reverse_state_scan_ranges(
     aqk: torch.Tensor | None = None,
     progress: ScanProgress | None = None,
     layout: str = "kv",
+    dv_local_from_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -1061,6 +1090,9 @@ def reverse_state_scan_ranges(
     aqk: the forward's A_qk [B,T,H,chunk_size] in do's dtype (fla-core's Aqk: column j ≤ row i of each chunk
     written, the rest not read), with dv_local None: each chunk step forms dv_local = A_qkᵀ dO itself, on the dO tile
     it loads anyway, so no dv_local stage runs before the scan.
+    dv_local_from_qk (no gate or a scalar gate, with dv_local and aqk None; Schedule.dv_local_source "scan"): each chunk
+    step forms A_qk from the q, k (and G) tiles of its chunk itself, then dv_local = A_qkᵀ dO, so no dv_local stage
+    runs before the scan. q is then Q unscaled, as the scalar scan always reads it.
     progress: a `ScanProgress` (`scan_progress`), for a consumer that chases the scan in one launch
     (`pipeline.consumer_chases_scan`): each program adds 1 to progress.flags[bh, chunk] once that chunk's dS1 and R̄
     are stored. With progress.pdl the scan lets the next launch on its stream start as its programmatic dependent:
@@ -1094,6 +1126,11 @@ def reverse_state_scan_ranges(
         raise ValueError("gate_log2=True: only a pregated scan reads G's last rows alone; pass pregated=True with it")
     q, k, W, do = q.contiguous(), k.contiguous(), W.contiguous(), do.contiguous()
     G = G.contiguous() if G is not None else None
+    if not isinstance(dv_local_from_qk, bool):
+        raise TypeError(f"dv_local_from_qk must be a bool, got {type(dv_local_from_qk).__name__}")
+    if dv_local_from_qk and (code > 1 or dv_local is not None or aqk is not None or layout != "kv"):
+        raise ValueError("dv_local_from_qk=True forms A_qk from q, k and a scalar gate (or none) in the 'kv' scan: "
+                         "not with a vector gate, dv_local=, aqk= or layout 'vk'")
     if aqk is not None:
         if dv_local is not None:
             raise ValueError("pass dv_local or aqk (the scan then forms dv_local from it), not both")
@@ -1111,7 +1148,7 @@ def reverse_state_scan_ranges(
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
     KB, NB = _state_blocks(K)
-    dvl_kind = 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
+    dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
                   PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]

@@ -779,6 +779,9 @@ def rewy_backward_triton_vector(q, k, v, g, erase, write, A, do, dht, *, scale, 
         if t is not None and tuple(t.shape) != (B, H, K, V):
             raise ValueError(f"{name} must be [B,H,K,V]={(B, H, K, V)}, got {tuple(t.shape)}")
     schedule.validate_for(K, V)
+    if schedule.dv_local_source == "scan":
+        raise ValueError("schedule.dv_local_source='scan' (the reverse scan forms A_qk) is for scalar gates "
+                         "(DeltaNet, GDN); KDA/GDN2 accept 'recompute' or 'forward'")
     from_forward = schedule.dv_local_source == "forward"
     if from_forward:
         if Aqk is None:

@@ -46,6 +46,13 @@ OTHERS = {
                                 consumer_k_split=2, consumer_cfg={"block_k": 16}),
     # the reverse scan's state transposed (scan.rewy_bwd_scan_vk_kernel), with the descriptor consumer
     "rscan-vk": BASE.replace(reverse_scan_layout="vk", consumer="joint_tma", consumer_cfg={"block_k": 16}),
+    # dv_local formed in the reverse scan's chunk steps (no dv_local stage), also with the query-side stage and
+    # chunk ranges (under A, where the scan runs last and alone) and with a split scan
+    "dvl-in-scan": BASE.replace(dv_local_source="scan"),
+    "dvl-in-scan-tma-ranges": BASE.replace(dv_local_source="scan", consumer="joint_tma", dq_stage="separate",
+                                           consumer_ranges=2, chunk_size=32, consumer_cfg={"block_k": 16}),
+    "dvl-in-scan-split": BASE.replace(dv_local_source="scan", reverse_scan_segments=2, scan_split_waves=0,
+                                      chunk_size=32),
 }
 
 
@@ -366,7 +373,7 @@ FIELD_CHANGES = {
     "pd_dtype": "input",  # read in separate mode
     "intra": "centred",
     "intra_precision": "tf32x3",  # read by vector gates only (test_triton_vector.py)
-    "dv_local_source": "forward",  # read by vector gates only (test_triton_vector.py); scalar gates recompute
+    "dv_local_source": "scan",  # vector gates read "forward" too (test_triton_vector.py)
     "forward_scan_segments": 2,
     "reverse_scan_segments": 3,
     "scan_split_waves": 1,  # a limit on the split: its effect is asserted in test_split_waves_limit_the_split
@@ -1231,6 +1238,25 @@ def test_gpu_reverse_scan_transposed(op, B, T, H, policy):
         ctx = f"gpu {op} {B},{T},{H} {policy} vk BV {bv} {warps} warps"
         assert_bf16(out, ref, ctx)
         assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 4), (1, 1000, 4)])
+def test_gpu_dv_local_in_scan(op, B, T, H, policy):
+    # Schedule.dv_local_source "scan" (session 36): no dv_local stage, the reverse scan's chunk steps form A_qk and
+    # dv_local; on each policy's default (DeltaNet A: the query-side stage), with the default's consumer ranges and
+    # split scans; the bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 5, gate_div=1.0)
+    from rewy_tune.search_spaces import default_schedule
+
+    s = default_schedule(torch.cuda.get_device_capability(), op=op, policy=policy).replace(dv_local_source="scan")
+    out = run_triton(x, s, policy)
+    ctx = f"gpu {op} {B},{T},{H} {policy} dv_local in the scan"
+    assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
+    assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
 
 
 @pytest.mark.gpu

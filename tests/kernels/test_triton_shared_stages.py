@@ -345,6 +345,70 @@ def test_reverse_state_scan_transposed(B, T, H, K, V, C, BV, with_state, num_seg
         assert torch.equal(a, b), name
 
 
+def ref_dv_local(q, k, G, do, scale, C):
+    """dv_local = A_qkᵀ dO per chunk in float64, A_qk[i, j] = s q_i·k_j exp(G_i − G_j) for j ≤ i (rewy-math §3)."""
+    q, k, do = q.double(), k.double(), do.double()
+    Gs = torch.zeros(q.shape[:3], dtype=torch.float64, device=q.device) if G is None else G.double()
+    dv = torch.empty_like(do)
+    for s in chunks(q.shape[1], C):
+        Qc, Kc, dOc, Gc = (x[:, s].transpose(1, 2) for x in (q, k, do, Gs))  # [B,H,n,*], Gc [B,H,n]
+        lam = (Gc[..., :, None] - Gc[..., None, :]).tril().exp().tril()  # [i, j], j ≤ i (masked before exp)
+        dv[:, s] = ((scale * (Qc @ Kc.transpose(-1, -2)) * lam).transpose(-1, -2) @ dOc).transpose(1, 2)
+    return dv
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+@pytest.mark.parametrize("B,T,H,K,V,C,BV,with_state,num_segments,dtype", [
+    (1, 100, 2, 32, 48, 16, 16, True, 1, torch.float32),  # a tail, V not a multiple of BV
+    (2, 64, 1, 64, 64, 16, 32, False, 2, torch.float32),  # split: the transfer pass forms it too
+    (1, 130, 1, 128, 64, 32, 64, True, 3, torch.bfloat16),  # two 64-row state blocks, a tail, 16-bit products
+])
+def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num_segments, dtype, gate):
+    # dv_local_from_qk (Schedule.dv_local_source "scan"): each chunk step forms A_qk from its q, k and scalar gate
+    # and adds A_qkᵀ dO to R̄, against the float64 scan fed the float64 dv_local, on outputs poisoned with NaN; and
+    # its chunk ranges (one launch each) give the bits of one launch
+    from rewy_tune.kernels.triton.scan import chunk_ranges, reverse_state_scan_ranges
+
+    s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    do = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype)
+    dht = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
+    scale = K ** -0.5
+    kw = dict(scale=scale, chunk_size=C, BK=K, BV=BV, num_warps=4, num_stages=2, want_dh0=True,
+              dv_local_from_qk=True)
+    with poison_allocations():
+        dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht,
+                                          num_segments=num_segments, **kw)
+    dvl = ref_dv_local(s["q"], s["k"], s["G"], do, scale, C)
+    dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, dvl, dht, scale, C)
+    check(dS1, dr, dtype, "dS1 per chunk")
+    check(Rb, Rr, dtype, "Rbar")
+    check(dh0, hr, dtype, "dh0")
+    one = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, **kw)
+    *ranged, launches = reverse_state_scan_ranges(s["q"], s["k"], s["W"], s["G"], do, None, dht, num_ranges=2, **kw)
+    assert list(launches) == chunk_ranges(triton.cdiv(T, C), 2)
+    for name, a, b in zip(("dS1", "Rbar", "dh0"), one, ranged):
+        assert torch.equal(a, b), name
+
+
+def test_reverse_state_scan_forming_dv_local_refuses_what_it_does_not_form():
+    from rewy_tune.kernels.triton.scan import reverse_state_scan_ranges
+
+    s = _scan_inputs(1, 64, 1, 32, 32, 16, "vector", torch.float32, seed=8)
+    do = torch.randn(1, 64, 1, 32).to(DEV)
+    kw = dict(scale=0.2, chunk_size=16, BK=32, BV=16)
+    bad = "dv_local_from_qk=True forms A_qk from q, k and a scalar gate"
+    with pytest.raises(ValueError, match=bad):  # a vector gate
+        reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, None, dv_local_from_qk=True, **kw)
+    with pytest.raises(ValueError, match=bad):  # dv_local given too
+        reverse_state_scan(s["q"], s["k"], s["W"], None, do, do, None, dv_local_from_qk=True, **kw)
+    with pytest.raises(ValueError, match=bad):
+        reverse_state_scan_ranges(s["q"], s["k"], s["W"], None, do, None, None, dv_local_from_qk=True, layout="vk",
+                                  **kw)
+    with pytest.raises(TypeError, match="dv_local_from_qk must be a bool, got int"):
+        reverse_state_scan(s["q"], s["k"], s["W"], None, do, None, None, dv_local_from_qk=1, **kw)
+
+
 def test_reverse_state_scan_transposed_refuses_what_it_does_not_scan():
     from rewy_tune.kernels.triton.scan import reverse_state_scan_ranges, scan_progress
 
