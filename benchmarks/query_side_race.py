@@ -71,7 +71,7 @@ def ranges_check(B: int, Tn: int, H: int, n_ranges: int, runs: int) -> None:
         x = T.make_inputs(op, B, Tn, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=n_ranges, gate_div=1.0)
         s = T._gpu_default().replace(consumer="joint_tma", dq_stage="separate", consumer_ranges=n_ranges,
                                      w_source="forward")
-        for stage in ("separate", "joint"):
+        for stage in ("separate", "consumer"):
             s = s.replace(dq_stage=stage)
             ref = T.run_triton(x, s.replace(side_stream="none", consumer_ranges=1), "A")
             for name, patches in variants.items():

@@ -1015,6 +1015,18 @@ def scan_progress(k: torch.Tensor, V: int, *, chunk_size: int, BV: int) -> ScanP
     return ScanProgress(flags, triton.cdiv(V, BV), pdl_supported(k.device))
 
 
+def _held_by_current_stream(*tensors) -> None:
+    """Keep the scratch and inputs of a scan launch from being allocated again until the launch has run on the current
+    stream. The launches may run on another stream than the one that allocated them (the pipeline's side stream), and
+    once the launch iterator is exhausted nothing holds its carry, scratch or contiguous() copies: the allocator would
+    hand their memory to the allocating stream's next request while the scan still reads it. Session 36: the pipeline
+    queued every range on its side stream, then allocated the query-side stage's buffers on the main stream (NaN in
+    the tests), and dS1 of the first chunks came out NaN under load."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 def reverse_state_scan(q, k, W, G, do, dv_local, dht, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reverse state scan (§4) in one go: `reverse_state_scan_ranges` (same arguments) run to the end. Returns
     (dS1, R̄, dh0)."""
@@ -1177,6 +1189,7 @@ def reverse_state_scan_ranges(
                   HAS_DVL=dvl_kind, PREC=prec, num_warps=num_warps, num_stages=num_stages)
 
     def whole():
+        _held_by_current_stream(q, k, W, G, do, dvl, dht, X, dh_in)
         if NS > 1:
             grid1 = (triton.cdiv(VP + K, BV), B * H, NS - 1)  # segment 0's transfer is never used
             rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, None, None, scale, T, NT,
@@ -1198,6 +1211,7 @@ def reverse_state_scan_ranges(
     def in_ranges():
         NR, per = len(ranges), ranges[-1][1]  # the first range is the longest
         for i_s, (c0, c1) in zip(reversed(range(NR)), ranges):
+            _held_by_current_stream(q, k, W, G, do, dvl, dht, carry)
             # carry: two slots, used in turn; the first range enters from dht itself (no copy into the carry)
             first = i_s == NR - 1
             step = dict(USE_DH_IN=dht is not None or not first, STORE_DH0=want_dh0, CARRY=True, IN_CARRY=not first)

@@ -521,6 +521,50 @@ def test_gpu_segment_combine_carry_kernel(K, NS):
     torch.testing.assert_close(out[1][:, 0].double(), h, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                    reason="needs a CUDA GPU and REWY_TEST_NO_INTERPRET=1 (compiled Triton)")
+def test_gpu_scan_ranges_hold_their_carry_on_another_stream(monkeypatch):
+    # Session 36: the pipeline queues every range of the reverse scan on its side stream, which exhausts the iterator
+    # and drops its carry, then allocates on the main stream while the scan still runs (the query-side stage's
+    # buffers, NaN-poisoned in the tests: dS1 of the first chunks came out NaN under load). The carry's memory must
+    # not be handed out again before the side stream's launches have run: here the side stream is held back while
+    # the main stream allocates a tensor of the carry's size (without record_stream the allocator gives it the
+    # carry's block), and the ranges then give the bits of one launch
+    from rewy_tune.kernels.triton import scan
+
+    B, T, H, K, V, C = 1, 1024, 4, 128, 128, 64
+    s = _scan_inputs(B, T, H, K, V, C, "scalar", torch.bfloat16, seed=21)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    do = torch.randn(B, T, H, V, device="cuda", generator=gen).to(torch.bfloat16)
+    dht = torch.randn(B, H, K, V, device="cuda", generator=gen)
+    kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=32, num_warps=4, num_stages=2, want_dh0=True)
+    one = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, **kw)
+    made = []  # every buffer the scan allocates (its outputs and the carry)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(empty(*a, **k)) or made[-1])
+    dS1, Rbar, dh0, launches = scan.reverse_state_scan_ranges(s["q"], s["k"], s["W"], s["G"], do, None, dht,
+                                                              num_ranges=4, **kw)
+    monkeypatch.setattr(torch, "empty", empty)
+    carry = [t for t in made if tuple(t.shape) == (B * H, 2, K, V)]
+    assert len(carry) == 1
+    carry_ptr = carry[0].data_ptr()
+    del made, carry
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # the scan's launches stay queued while the main stream allocates
+        assert len(list(launches)) == 4
+    del launches  # (nothing holds the carry now)
+    again = torch.empty(B * H, 2, K, V, device="cuda")
+    assert again.data_ptr() != carry_ptr, "the carry's memory was handed out while the scan still used it"
+    again.fill_(float("nan"))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dS1", "Rbar", "dh0"), one, (dS1, Rbar, dh0)):
+        assert torch.equal(a, b), name
+
+
 class _Spy:
     """A launchable stand-in that records each launch and runs the kernel."""
 
