@@ -14,9 +14,16 @@ next iteration does), tracking the outstanding products and the buffers each rea
 single-slot buffer (an async copy, a TMA copy, a ``local_store``, or the next run of a ``local_alloc`` filled from
 registers) that an outstanding product still reads.
 
+`dropped_products(sass)` counts another sm_90 failure, one the TTGIR cannot show: ptxas (CUDA 12.8 bundled with
+Triton 3.6, and 12.9; not 13.0) at -O3 can delete a chain of `wgmma.mma_async` whose accumulators the PTX still reads,
+leaving a placeholder ``HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ`` per removed group in the SASS. Session 36: the vector
+consumer with STATE_ROWSUM_FIRST at K = V = 256 (bf16 S0, 2 stages) lost phase 2's P and P S0ᵀ products, so dk
+(γ P S0ᵀ enters dk and the erase path only) came out wrong on the H200 while dq passed.
+
 `compiled_hazards(kernel_functions())` applies it to the kernels a process has compiled (their TTGIR kept in Triton's
-cache): the tuner's gate runs it after a schedule's gate cases (`trial_worker`), since a run-twice comparison catches
-such a race only sometimes. `forget_compiled` empties the in-memory kernel caches first, so that what is found
+cache), and `compiled_dropped_products` the other check to their cubins: the tuner's gate runs both after a schedule's
+gate cases (`trial_worker`), since a run-twice comparison catches such a race only sometimes, and a gate case may miss
+the shape whose binary lost a product. `forget_compiled` empties the in-memory kernel caches first, so that what is found
 afterwards is what that schedule compiled or loaded.
 """
 
@@ -108,6 +115,17 @@ def war_hazards(ttgir: str) -> list[Hazard]:
     return sorted(found.values(), key=lambda h: (h.write_line, h.dot_line))
 
 
+# ptxas's stand-in for a deleted warpgroup product: an HGMMA into RZ from the null descriptor
+_DROPPED_HGMMA = re.compile(r"\bHGMMA\.\S+\s+RZ\s*,\s*gdesc\[URZ\]")
+
+
+def dropped_products(sass: str) -> int:
+    """How many warpgroup products ptxas replaced by placeholders in a kernel's SASS (`nvdisasm -c` text): each
+    ``HGMMA ... RZ, gdesc[URZ], RZ`` stands for a group of ``wgmma.mma_async`` of the PTX that no longer runs. Triton
+    emits no product whose result goes unused, so any count above 0 is a product missing from the binary."""
+    return len(_DROPPED_HGMMA.findall(sass))
+
+
 def kernel_functions(package: str = "rewy_tune.kernels.triton") -> list:
     """Every Triton JIT function defined or imported in the package's modules (helpers included: they are never
     launched, so they hold no compiled kernels). Under the interpreter there are none."""
@@ -131,6 +149,39 @@ def forget_compiled(functions) -> None:
     compile), so `compiled_hazards` then sees just the kernels launched since."""
     for fn in functions:
         fn.device_caches.clear()
+
+
+def _nvdisasm(cubin: bytes) -> str | None:
+    """`nvdisasm -c` of a cubin with the tool Triton bundles, or None where it is missing or fails."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def compiled_dropped_products(functions) -> list[tuple[str, int]]:
+    """(kernel name, count) for every compiled kernel of the functions whose SASS has products ptxas dropped
+    (`dropped_products`); kernels without a cubin, or where nvdisasm cannot run, are not checked."""
+    found = []
+    for fn in functions:
+        for caches in list(fn.device_caches.values()):
+            for kernel in list(caches[0].values()):
+                cubin = getattr(kernel, "asm", {}).get("cubin")
+                sass = _nvdisasm(cubin) if cubin else None
+                n = dropped_products(sass) if sass else 0
+                if n:
+                    found.append((kernel.name, n))
+    return found
 
 
 def compiled_hazards(functions) -> tuple[list[tuple[str, Hazard]], int]:

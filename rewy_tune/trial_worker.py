@@ -11,7 +11,8 @@ Inside the worker (`_serve`):
   initial state and final-state gradient, zero beta, strong decay) and the run-twice bitwise check.
   Exceptions are classified: compilation failures → `compile_error`, anything else → `runtime_error`;
   gate failures → `incorrect`; run-twice mismatch → `nondeterministic`, and so (on a GPU) is a kernel the schedule
-  compiled whose TTGIR has a shared-memory write-after-read hazard of an asynchronous product (`ir_hazards`).
+  compiled whose TTGIR has a shared-memory write-after-read hazard of an asynchronous product (`ir_hazards`);
+  a kernel whose SASS lost products to ptxas (`ir_hazards.dropped_products`) is `incorrect`.
 - ``measure``: one workload shape. On CUDA `measure.measure_shape` against FLA (backward CUDA graphs,
   interleaved, every sample; no FB, eager or memory figures, which trials do not keep). On the CPU the Triton
   interpreter is timed with `time.perf_counter` over a few interleaved repetitions against the torch reference
@@ -259,6 +260,11 @@ def _gate(msg: dict[str, Any]) -> dict[str, Any]:
     hazard = _hazard_message(kernels)
     if hazard:
         return {"status": "nondeterministic", "message": hazard, "errors": errors, "data": data}
+    dropped = ir_hazards.compiled_dropped_products(kernels)
+    if dropped:  # a binary without some of its products computes wrong values wherever it runs
+        name, n = dropped[0]
+        return {"status": "incorrect", "errors": errors, "data": data,
+                "message": f"{name}: {n} warpgroup products dropped by ptxas (rewy_tune/ir_hazards.py)"[:2000]}
     return {"status": STATUS_OK, "errors": errors, "data": data}
 
 

@@ -101,7 +101,7 @@ def test_no_kernel_of_the_sm90_defaults_has_a_hazard(op, policy, changes, tmp_pa
         args += ["--schedule", str(sched)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
-    assert "0 shared-memory write-after-read hazards" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "0 hazards: shared-memory write-after-read" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -151,3 +151,28 @@ def test_kernel_functions_lists_the_package_kernels_when_compiled():
     for kernel in ("rewy_bwd_kernel_query_side", "rewy_bwd_kernel_consumer_tma", "rewy_bwd_kernel_consumer_vector",
                    "rewy_bwd_scan_kernel"):
         assert kernel in names
+
+
+# SASS lines as `nvdisasm -c` prints them for sm_90: a product, and the placeholder ptxas leaves for a deleted group
+# (session 36: the vector consumer with STATE_ROWSUM_FIRST at K = V = 256, policy R)
+_SASS_KEPT = "        /*1a70*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;"
+_SASS_DROPPED = "        /*1b30*/                   HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0 ;"
+
+
+def test_dropped_products_count_the_placeholder_hgmmas():
+    from rewy_tune.ir_hazards import dropped_products
+
+    assert dropped_products("\n".join([_SASS_KEPT, _SASS_KEPT])) == 0
+    assert dropped_products("\n".join([_SASS_KEPT, _SASS_DROPPED, _SASS_DROPPED])) == 2
+
+
+def test_compiled_dropped_products_read_each_cubin(monkeypatch):
+    # the cubins of the compiled kernels go through nvdisasm (stubbed here: the CPU host may lack Triton's binary)
+    from rewy_tune import ir_hazards
+
+    lost, kept, bare = _Compiled("lost", None), _Compiled("kept", None), _Compiled("bare", None)
+    lost.asm, kept.asm = {"cubin": b"lost"}, {"cubin": b"kept"}
+    monkeypatch.setattr(ir_hazards, "_nvdisasm", lambda cubin: _SASS_DROPPED if cubin == b"lost" else _SASS_KEPT)
+    assert ir_hazards.compiled_dropped_products([_Jit(lost, kept), _Jit(bare)]) == [("lost", 1)]
+    monkeypatch.setattr(ir_hazards, "_nvdisasm", lambda cubin: None)  # nvdisasm missing: not checked
+    assert ir_hazards.compiled_dropped_products([_Jit(lost)]) == []

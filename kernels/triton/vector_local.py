@@ -87,7 +87,10 @@ RANGE_FROM_OPERANDS = True
 # session 35 (the inter products' state tiles are then never read in registers: rewy_tune/ir_hazards.py). Off (the
 # H200-gated placement): after the inter products, while their three [C, BK] accumulators are live; GDN2 A benched
 # 1.857 -> 1.809x FLA with it (session 35; KDA A 1.670 -> 1.680x). On: at the top of the feature tile, where fewer
-# tiles are live (sm_90, 8 warps: GDN2 A stack 216 -> 200 B). The same bits; not yet timed or GPU-gated.
+# tiles are live (sm_90, 8 warps: GDN2 A stack 216 -> 200 B). The same bits on the interpreter, but keep it off: at
+# K = V = 256 with a bf16 S0 (policy R) the H200 gave wrong dk, because Triton 3.6's ptxas (CUDA 12.8, -O3) deletes
+# phase 2's P and P S0ᵀ products from the binary once any [BK] value is live from the top of the tile across the inter
+# products (session 36: `ir_hazards.dropped_products`, test_state_rowsum_first_sm90_products; CUDA 13.0's keeps them).
 STATE_ROWSUM_FIRST = False
 # DEFER_GATE_CUMSUM (policy A, Schedule.scan_operands "forward", A_qk from the forward): the reverse scan reads Γ_n
 # from fla-core's own gate cumsum (log2 units, kept by its save-all forward), so the backward's chunk cumsum, which

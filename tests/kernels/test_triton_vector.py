@@ -320,6 +320,75 @@ def test_consumer_flag_same_bits(flag, off, on, constexpr, op, consumer, k_split
         assert launches == [False], launches
 
 
+# Compiles a recorded vector-consumer launch for sm_90 in a fresh process (no interpreter there) with ROWSUM_FIRST off
+# and on, and prints how many products ptxas dropped from each binary (rewy_tune.ir_hazards.dropped_products).
+_SM90_DROPPED = r"""
+import pickle, sys
+sys.path.insert(0, "benchmarks")
+import compile_times as ct
+from rewy_tune.ir_hazards import dropped_products, war_hazards
+from rewy_tune.kernels.triton import vector_local as vl
+
+kernel = vl.rewy_bwd_kernel_consumer_vector
+args, kw = pickle.load(open(sys.argv[1], "rb"))
+out = {}
+for first in (False, True):
+    values = dict(zip(kernel.arg_names, args))
+    opts = {n: kw[n][1] for n in ("num_warps", "num_stages")}
+    values.update({n: v for n, v in kw.items() if n not in opts})
+    values["ROWSUM_FIRST"] = ("const", first)
+    c = ct.compile_sm90(kernel, *ct.sm90_signature(kernel, values), opts)
+    out[first] = (dropped_products(ct._cubin_tool("nvdisasm", "-c", c.asm["cubin"])), len(war_hazards(c.asm["ttgir"])))
+print(out)
+"""
+
+
+def test_state_rowsum_first_sm90_products(tmp_path, monkeypatch):
+    # (CPU, sm_90 compile) Why STATE_ROWSUM_FIRST stays off: at K = V = 256 under policy R (bf16 S0, two stages, two
+    # programs per chunk as on the H200 at (1, 1000, 4)) Triton 3.6's ptxas (CUDA 12.8) deletes phase 2's P = AᵀR̄ and
+    # P S0ᵀ products from the binary (placeholder HGMMAs), and dk came out wrong on the H200 (session 36; rel RMS 7e-2,
+    # dq fine: P S0ᵀ enters dk and the erase path only). The default placement keeps every product. Any [BK] value
+    # live from the top of the feature tile across the inter products did the same, so no placement at the top is
+    # safe with this ptxas; the interpreter (test_consumer_flag_same_bits) cannot see it. If the on case stops
+    # dropping products (a newer ptxas: CUDA 13.0's keeps them), re-gate the flag on the H200
+    # (test_gpu_state_rowsum_first) before turning it on.
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rewy_tune.kernels.triton import vector_local as vl
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import compile_times as ct
+    finally:
+        sys.path.pop(0)
+    assert not vl.STATE_ROWSUM_FIRST
+    launches = []
+    spy_consumer_launches(monkeypatch, lambda args, kw, grid: launches.append(
+        ([ct._kind(a) for a in args], {n: ct._kind(v) for n, v in kw.items()})))
+    x = make_inputs("kda", 1, 70, 1, 256, 256, dtype=torch.bfloat16, seed=1, gate_div=16.0, decay="mixed")
+    from rewy_tune.search_spaces import default_schedule
+
+    s = default_schedule((9, 0), K=256, V=256, op="kda", policy="R")
+    run_triton(x, s, "R")
+    args, kw = launches[-1]
+    assert kw["num_stages"] == ("int", 2) and kw["S0_VK"] == ("const", False), kw
+    kw["KSPLIT"] = ("int", 2)  # the H200's split at (1, 1000, 4) (the interpreter's 8 SMs pick another)
+    rec = tmp_path / "launch.pkl"
+    rec.write_bytes(pickle.dumps((args, kw)))
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _SM90_DROPPED, str(rec)], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = eval(done.stdout.strip().splitlines()[-1])
+    assert got[False] == (0, 0), got  # the default: every product compiled, no write-after-read hazard
+    assert got[True][1] == 0 and got[True][0] > 0, got  # rowsum first: products dropped (see above)
+
+
 def _consumer_args():
     """Positional arguments of vector_local.consumer_vector for a small KDA chunk pair (T = 40, C = 32): inputs to
     check its argument errors with (zeros where only the shapes matter)."""
