@@ -58,8 +58,8 @@ launch from the last, on the side stream, and the consumer of each range is laun
 the scan has finished it, beside the scan of the earlier ranges (the scan's B·H·V/BV programs leave most SMs idle
 where B·H ≥ 16 under policy A); the consumer's ranges alternate between the main stream and a second one. 0
 ("auto") takes ranges of 16 chunks or more where that gives at least 4 (at most 8), else 1; with dq_stage "separate"
-auto takes none, and an explicit count runs the query-side stage beside the ranged scan before the first consumer
-range. The same bits as 1 (one scan, then one consumer launch). ``scan_operands`` is read by vector gates only
+(policy A) the query-side stage runs beside the ranged scan before the first consumer range, and auto takes 4
+ranges where each has 32 chunks or more (and the scan does not split), else none. The same bits as 1 (one scan, then one consumer launch). ``scan_operands`` is read by vector gates only
 (scalar gates scale rows of the scans' [C, BV] tiles instead and accept any value): "inline" has each scan program form K_t = K ⊙ exp(G_n − G) and
 Q_g = s·Q ⊙ exp(G) in its serial chunk loop; "pregated" forms them once in a parallel stage before the scans
 (`kernels/triton/scan_operands.py`, two [B,T,H,K] tensors in the input dtype held until the reverse scan is done),

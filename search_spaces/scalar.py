@@ -42,6 +42,7 @@ CONDITIONS: dict[str, tuple[str, str]] = {
     # the scalar pointer consumers do not read it (the vector consumers do: vector.py drops this condition)
     "consumer_k_split": ("consumer", "joint_tma"),
     "consumer_ranges": ("consumer", "joint_tma"),  # the vector joint consumer reads it too (vector.py)
+    **{f"dv_local.{m}": ("dv_local_source", "recompute") for m in ("block_k", "block_v", "num_warps", "num_stages")},
     "pd_dtype": ("consumer", "separate"),
     "producer.block_v": ("consumer", "separate"),
     "producer.num_warps": ("consumer", "separate"),
@@ -71,6 +72,10 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
     tk, tv = _tiles_for(K), _tiles_for(V)
     scan_k = [max(16, _pow2_ceil(K))]  # the scans hold all K rows of the state tile
     out: dict[str, list[Any]] = {
+        # first: the dv_local stage's fields are sampled only where it runs (CONDITIONS). "scan": the reverse scan
+        # forms dv_local (session 36, DeltaNet A: slower alone, 1.238 -> 1.269x FLA with 4 consumer ranges at
+        # (1, 8192, 16))
+        "dv_local_source": ["recompute", "scan"],
         "chunk_size": [64],  # FLA's forward saves A at chunk 64
         "consumer": ["joint", "separate", "joint_tma"],
         "consumer_order": ["fused", "dq_first"],
@@ -157,6 +162,8 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
         # per chunk: the [C, BK] dot operands (forward W, K_t; reverse q, k, W), the [C, BV] ones, and the
         # state tile as a dot operand (input dtype)
         est[name] = (n_k * C * bk + 2 * C * cfg.block_v) * e * cfg.num_stages + bk * cfg.block_v * e
+    if schedule.dv_local_source == "scan":  # its q, k tiles again and A_qkᵀ: sm_90, K = 128, BV 32, 3 stages
+        est["reverse_scan"] += 2 * C * max(schedule.reverse_scan.block_k, K) * e + C * C * e  # 176 128 -> 217 088 B
     dl = schedule.dv_local
     est["dv_local"] = max(2 * C * dl.block_k * e * dl.num_stages, C * C * e + C * dl.block_v * e * dl.num_stages)
     pr = schedule.producer
@@ -231,6 +238,9 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
                                 smem_limit)
     reasons += segment_reasons(schedule, K, smem_limit)
     reasons += recompute_fault_reasons(schedule, e, compute_capability_of(problem_dims))
+    if schedule.dv_local_source == "scan" and schedule.reverse_scan_layout != "kv":
+        reasons.append("dv_local_source 'scan': only the 'kv' reverse scan forms dv_local (reverse_scan_layout "
+                       f"{schedule.reverse_scan_layout!r})")
     if schedule.consumer == "joint_tma" and not tma_rows_fit(K, V):
         reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
                        "multiples of 8 (the pipeline would run the pointer kernel instead)")

@@ -86,7 +86,8 @@ __all__ = ["CONDITIONS", "CONSUMER_V_STAGE_CHOICES", "DV_LOCAL_SOURCE_CHOICES", 
 # dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
 # not sample it (each such trial would otherwise have duplicates that differ in an unread field).
 CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.items()
-                                             if n not in (*scalar.TMA_ONLY_FIELDS, "consumer_k_split")},
+                                             if n not in (*scalar.TMA_ONLY_FIELDS, "consumer_k_split")
+                                             and not n.startswith("dv_local.")},  # (dv_local runs either way)
                                           "dv_local.block_k": ("dv_local_source", "recompute"),
                                           # the joint vector consumer runs in chunk ranges; the separate one does not
                                           "consumer_ranges": ("consumer", "joint")}
@@ -98,7 +99,8 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
     nothing is saved for it there and it runs as "pregated", so its trials would repeat those (None: both)."""
     scalar.check_default_policy(policy)
     # dv_local_source first: the tuner samples in this order and dv_local.block_k is conditional on it
-    out = {"dv_local_source": list(DV_LOCAL_SOURCE_CHOICES), **scalar.space(K, V)}
+    out = scalar.space(K, V)  # (dv_local_source comes first there)
+    out["dv_local_source"] = list(DV_LOCAL_SOURCE_CHOICES)
     out["consumer"] = ["joint", "separate"]  # "joint_tma" is a scalar-gate consumer
     for name in scalar.TMA_ONLY_FIELDS:  # read by joint_tma only
         del out[name]

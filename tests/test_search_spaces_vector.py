@@ -320,9 +320,10 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         assert "centred" not in sp["intra"]  # unguarded: overflows on strong decays
         assert sp["intra_precision"] == ["ieee", "tf32x3"] and set(sp["intra_precision"]) <= set(INTRA_PRECISIONS)
         # the forward's saved Aqk is searched; the default keeps the GPU-verified recompute
-        assert sp["dv_local_source"] == ["recompute", "forward"] and set(sp["dv_local_source"]) == set(DV_LOCAL_SOURCES)
+        assert sp["dv_local_source"] == ["recompute", "forward"]  # ("scan": the scalar scan forms A_qk)
+        assert set(sp["dv_local_source"]) | {"scan"} == set(DV_LOCAL_SOURCES)
         assert base.dv_local_source == "recompute"
-        assert "dv_local_source" not in scalar.space(K, V)
+        assert scalar.space(K, V)["dv_local_source"] == ["recompute", "scan"]  # the scalar scan forms it
         assert sp["cumsum.block_k"] and all(16 <= bk <= max(16, K) for bk in sp["cumsum.block_k"])
         for name, choices in sp.items():
             for c in choices:
@@ -627,7 +628,9 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         assert all("intra" not in p and "cumsum.block_k" not in p for _, p in sampled)
         assert {s.intra for s, _ in sampled} == {"auto"}  # pinned
         assert {s.intra_precision for s, _ in sampled} == {"ieee"}
-        assert {s.dv_local_source for s, _ in sampled} == {"recompute"}
+        assert {s.dv_local_source for s, _ in sampled} <= {"recompute", "scan"}  # the scalar space's two
+        # the dv_local stage's fields are sampled only where it runs
+        assert all(("dv_local.block_v" in p) == (s.dv_local_source == "recompute") for s, p in sampled)
     # the interpreter demo keeps the vector choices (tiles capped at 32)
     # and pins the V loops' depth (the interpreter does not pipeline: samples there would time the same code)
     for s, p in _sample("kda", n=4, interpreter=True):

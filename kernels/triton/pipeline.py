@@ -202,21 +202,32 @@ MIN_RANGE_CHUNKS = 16
 # (1, 8192, 4) 0.50 ms split, 0.91 unsplit).
 VECTOR_MIN_RANGE_CHUNKS = 8
 VECTOR_RANGES_MAX_SEGMENTS = 4
+# With the query-side stage (dq_stage "separate", policy A with the forward's W), auto takes QUERY_SIDE_RANGES ranges
+# where each has QUERY_SIDE_MIN_RANGE_CHUNKS chunks or more and the scan runs unsplit; elsewhere the stage runs beside
+# the whole scan. Session 36 sweep, DeltaNet A (once the ranged scan held its carry for its own stream): (1, 8192, 16)
+# (128 chunks) 1.159x FLA beside the whole scan, 1.238x in 4 ranges, 1.194x in 8; (1, 2048, 16) (32 chunks) 1.138x,
+# 1.046x in 4; (2, 2048, 16) 1.054x, 0.986x in 4 (benchmarks/RESULTS.md).
+QUERY_SIDE_RANGES = 4
+QUERY_SIDE_MIN_RANGE_CHUNKS = 32
 
 
-def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False, scan_segments: int = 1) -> int:
+def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False, scan_segments: int = 1,
+                         query_side: bool = False) -> int:
     """How many chunk ranges the consumer runs in (Schedule.consumer_ranges; read by joint_tma and, for vector gates,
     the joint consumer; 1 for the others). The pipeline uses them only where the reverse scan runs last and alone
     (not beside the forward scan: side_stream "reverse_scan" with a stage before it). scan_segments: the segments the
     reverse scan would split into without ranges (`scan.reverse_scan_segment_count`); the ranges run it unsplit. An
     explicit count and scalar auto take no ranges where it splits; vector auto takes them in place of a split into at
-    most VECTOR_RANGES_MAX_SEGMENTS."""
+    most VECTOR_RANGES_MAX_SEGMENTS. query_side: the query-side stage runs before the ranges (auto: QUERY_SIDE_RANGES
+    where each has QUERY_SIDE_MIN_RANGE_CHUNKS chunks)."""
     if schedule.consumer != ("joint" if vector else "joint_tma"):
         return 1
     if schedule.consumer_ranges:
         return schedule.consumer_ranges if scan_segments == 1 else 1
     if scan_segments > (VECTOR_RANGES_MAX_SEGMENTS if vector else 1):
         return 1
+    if query_side:
+        return QUERY_SIDE_RANGES if NT >= QUERY_SIDE_RANGES * QUERY_SIDE_MIN_RANGE_CHUNKS else 1
     n = NT // (VECTOR_MIN_RANGE_CHUNKS if vector else MIN_RANGE_CHUNKS)
     return min(8, n) if n >= 4 else 1
 
@@ -454,10 +465,18 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # dv_local's output is allocated on the main stream. The reverse scan's outputs come from the side stream's
     # pool: record_stream keeps their memory from being handed out again on the side stream while the consumer,
     # or the caller with dh0, may still read them on the main stream.
-    # The query-side stage with an explicit consumer_ranges count (policy A with the forward's W): the reverse scan runs
-    # in chunk ranges as without it, and the stage on the main stream beside them, before the first consumer range
-    # (`_scan_beside_consumer`); otherwise it takes the side stream's scan beside it (and auto takes no ranges)
-    query_in_ranges = query_side is not None and W is not None and S0 is not None and sc.consumer_ranges > 1
+    # The query-side stage with consumer ranges (policy A with the forward's W; an explicit count, or auto's
+    # QUERY_SIDE_RANGES where the scan runs unsplit): the reverse scan runs in chunk ranges as without it, and the
+    # stage on the main stream beside them, before the first consumer range (`_scan_beside_consumer`); otherwise it
+    # takes the side stream's scan beside it
+    NT = triton.cdiv(q.shape[1], C)
+    query_in_ranges = (query_side is not None and W is not None and S0 is not None
+                       and consumer_range_count(sc, NT, query_side=True) > 1)
+    if query_in_ranges and not sc.consumer_ranges:  # auto: only where the scan runs unsplit, else beside it whole
+        query_in_ranges = reverse_scan_segment_count(
+            k, scan_gk if scan_gk is not None else G, v.shape[-1], chunk_size=C, BV=sc.reverse_scan.block_v,
+            num_segments=sc.reverse_scan_segments,
+            split_max_programs=split_program_limit(sc.scan_split_waves, k.device)) == 1
     mode = side_stream_mode(sc, k.device, W is None or S0 is None or (query_side is not None and not query_in_ranges))
     main = torch.cuda.current_stream(k.device) if mode != "none" else None
     side = side_stream(k.device) if mode != "none" else None
@@ -475,8 +494,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # The reverse scan's plan: the segments it would split into, and the consumer's chunk ranges (Schedule.
     # consumer_ranges), which run it unsplit in place of such a split where it runs last and alone (not beside the
     # forward scan)
-    NT = triton.cdiv(q.shape[1], C)
-    n_ranges = 1 if mode == "reverse_scan" else consumer_range_count(sc, NT, vector=vector)  # as if it did not split
+    n_ranges = (1 if mode == "reverse_scan"  # as if it did not split
+                else consumer_range_count(sc, NT, vector=vector, query_side=query_in_ranges))
     may_chase = (mode != "reverse_scan" and sc.reverse_scan_layout == "kv"  # (only the "kv" scan publishes)
                  and consumer_chases_scan(sc, k.device, vector=vector))
     chase = None  # the scan's per-chunk counters, where the consumer chases it (one scan launch, unsplit)
@@ -484,7 +503,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         segments = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=rs.block_v,
                                               num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
         if n_ranges > 1:  # whether its split rules them out
-            n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments)
+            n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments, query_side=query_in_ranges)
         if scan_aqk is not None and not dv_local_in_scan_pays(NT, segments, n_ranges):
             scan_aqk = None  # dv_local runs as its own stage
         if may_chase and (segments == 1 or n_ranges > 1):  # in place of the ranges, unsplit as they are

@@ -129,11 +129,14 @@ def query_side(q, k, R, S0, G, do, *, scale: float, chunk_size: int = 64, BK: in
     if out is None:
         dq, dk, gbq = query_side_buffers(q, k, G)
     else:
-        want = query_side_buffers(q, k, G)
-        if len(out) != 3 or any((o is None) != (w is None) or (w is not None and (o.shape, o.dtype, o.device) !=
-                                (w.shape, w.dtype, w.device)) for o, w in zip(out, want)):
-            raise ValueError("out must be (dq, dk_q, Ḡ_q) as query_side_buffers(q, k, G) makes them: "
-                             f"{[None if w is None else (tuple(w.shape), w.dtype) for w in want]}")
+        # (described, not allocated: two [B,T,H,K] buffers made only to compare with took 64 MiB more at the
+        # backward's peak, DeltaNet A (1, 8192, 16) in consumer ranges, session 36)
+        want = [(tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype), ((B, T, H), torch.float32) if G is not None
+                else None]
+        if len(out) != 3 or any((o is None) != (w is None) or (w is not None and (
+                (tuple(o.shape), o.dtype) != w or o.device != q.device or not o.is_contiguous()))
+                for o, w in zip(out, want)):
+            raise ValueError(f"out must be (dq, dk_q, Ḡ_q) as query_side_buffers(q, k, G) makes them: {want}")
         dq, dk, gbq = out
     rewy_bwd_kernel_query_side[(NT, B * H)](
         q, k, R, do, S0, G, dq, dk, gbq, T, NT, float(scale),

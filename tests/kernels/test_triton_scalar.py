@@ -700,6 +700,17 @@ def test_query_side_stage_runs_before_the_consumer_ranges(op, monkeypatch):
                    "consumer 0-2 on second", "main waits side", "main waits second"]
     assert_same_bits(ranged, whole, ctx=f"{op} query side and consumer ranges")
     assert_gates(ranged, oracle(x, C=32), ctx=f"{op} query side and consumer ranges")
+    log.clear()  # auto takes 4 ranges with the stage where each has QUERY_SIDE_MIN_RANGE_CHUNKS (here 1) chunks
+    monkeypatch.setattr(pipeline, "QUERY_SIDE_MIN_RANGE_CHUNKS", 1)
+    auto = run_triton(x, s.replace(consumer_ranges=0), "A")
+    assert [e for e in log if e.startswith("scan ")] == ["scan 3-4 on side", "scan 2-3 on side", "scan 1-2 on side",
+                                                       "scan 0-1 on side"]
+    assert log.index("query_side on main") < log.index("consumer 3-4 on main")
+    assert_same_bits(auto, whole, ctx=f"{op} query side and auto consumer ranges")
+    log.clear()  # ... and none where the scan would split (2 segments, no occupancy limit): beside it whole
+    run_triton(x, s.replace(consumer_ranges=0, reverse_scan_segments=2, scan_split_waves=0), "A")
+    assert not [e for e in log if e.startswith("scan ")] and "consumer 0-4 on main" in log
+    monkeypatch.setattr(pipeline, "QUERY_SIDE_MIN_RANGE_CHUNKS", 32)
     log.clear()  # a scan that splits (2 segments of 2 chunks, no occupancy limit) rules the ranges out: in order
     split = s.replace(consumer_ranges=2, side_stream="none", reverse_scan_segments=2, scan_split_waves=0)
     assert_gates(run_triton(x, split, "A"), oracle(x, C=32), ctx=f"{op} query side, split scan")
@@ -734,6 +745,10 @@ def test_consumer_range_count():
     assert [consumer_range_count(tma, nt) for nt in (8, 32, 63, 64, 100, 128, 512)] == [1, 1, 1, 4, 6, 8, 8]
     assert consumer_range_count(tma.replace(consumer_ranges=2), 4) == 2
     assert consumer_range_count(tma.replace(consumer="joint"), 512) == 1
+    # with the query-side stage before them: 4 ranges of at least 32 chunks, none where the scan splits
+    assert [consumer_range_count(tma, nt, query_side=True) for nt in (32, 127, 128, 512)] == [1, 1, 4, 4]
+    assert consumer_range_count(tma, 512, query_side=True, scan_segments=2) == 1
+    assert consumer_range_count(tma.replace(consumer_ranges=8), 32, query_side=True) == 8
 
 
 def test_consumer_ranges_write_dv_over_dv_local(monkeypatch):
@@ -1080,6 +1095,25 @@ def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
     for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
         out = run_triton(x, _with_consumer(_gpu_default(), consumer).replace(state_dtype=states))
         assert_bf16(out, ref, f"gpu {op} {B},{T},{H} {consumer} {states} states")
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 8192 - 40, 16)])
+def test_gpu_deltanet_a_default_at_bench_shapes(B, T, H):
+    # DeltaNet A's H200 default: the query-side stage, since session 36 before 4 consumer ranges where each has 32
+    # chunks (auto: (1, 8192, 16) here), beside the whole scan elsewhere. The bf16 gate, the bits of one consumer
+    # launch (the ranges' promise), and run-twice bits
+    from rewy_tune.search_spaces import default_schedule
+
+    x = make_inputs("deltanet", B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7,
+                    gate_div=1.0)
+    s = default_schedule(torch.cuda.get_device_capability(), op="deltanet", policy="A")
+    out = run_triton(x, s, "A")
+    ctx = f"gpu deltanet A default {B},{T},{H}"
+    assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
+    assert_same_bits(run_triton(x, s.replace(consumer_ranges=1), "A"), out, ctx=ctx + ", one consumer launch")
+    assert_same_bits(run_triton(x, s, "A"), out, ctx=ctx + ", run twice")
 
 
 @pytest.mark.parametrize("order,column,k_split", [("fused", "scratch", 1), ("dq_first", "gamma_t", 1),
