@@ -1261,36 +1261,29 @@ def test_gpu_query_side_stage_race_beside(op, policy):
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 4), (1, 1000, 4)])
-def test_gpu_reverse_scan_transposed(op, B, T, H, policy):
-    # Schedule.reverse_scan_layout "vk" (session 35, interpreter-tested only until this runs): 64-wide value tiles at 4
-    # and 8 warps, 32-wide (no wgmma there) at 4; the bf16 gate and run-twice bits
-    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 3, gate_div=1.0)
-    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
-    for bv, warps in ((64, 4), (64, 8), (32, 4)):
-        s = _gpu_default().replace(reverse_scan_layout="vk", reverse_scan={"block_v": bv, "num_warps": warps})
-        out = run_triton(x, s, policy)
-        ctx = f"gpu {op} {B},{T},{H} {policy} vk BV {bv} {warps} warps"
-        assert_bf16(out, ref, ctx)
-        assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
-
-
-@pytest.mark.gpu
-@BF16_ON_INTERPRETER
-@pytest.mark.parametrize("policy", ["R", "A"])
-@pytest.mark.parametrize("op", ["deltanet", "gdn"])
-@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 4), (1, 1000, 4)])
-def test_gpu_dv_local_in_scan(op, B, T, H, policy):
-    # Schedule.dv_local_source "scan" (session 36): no dv_local stage, the reverse scan's chunk steps form A_qk and
-    # dv_local; on each policy's default (DeltaNet A: the query-side stage), with the default's consumer ranges and
-    # split scans; the bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
-    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 5, gate_div=1.0)
+@pytest.mark.parametrize("variant", ["transposed", "dv_local_in_scan"])
+def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
+    # "transposed": Schedule.reverse_scan_layout "vk" (session 35), 64-wide value tiles at 4 and 8 warps, 32-wide (no
+    # wgmma there) at 4. "dv_local_in_scan": Schedule.dv_local_source "scan" (session 36), no dv_local stage, the
+    # reverse scan's chunk steps form A_qk and dv_local, on each policy's default (DeltaNet A: the query-side stage)
+    # with its consumer ranges and split scans. The bf16 gate, with initial state and a tail at (1, 1000, 4), and
+    # run-twice bits
     from rewy_tune.search_spaces import default_schedule
 
-    s = default_schedule(torch.cuda.get_device_capability(), op=op, policy=policy).replace(dv_local_source="scan")
-    out = run_triton(x, s, policy)
-    ctx = f"gpu {op} {B},{T},{H} {policy} dv_local in the scan"
-    assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
-    assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 3, gate_div=1.0)
+    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    if variant == "transposed":
+        schedules = {f"vk BV {bv} {warps} warps": _gpu_default().replace(
+            reverse_scan_layout="vk", reverse_scan={"block_v": bv, "num_warps": warps})
+            for bv, warps in ((64, 4), (64, 8), (32, 4))}
+    else:
+        schedules = {"dv_local in the scan": default_schedule(torch.cuda.get_device_capability(), op=op,
+                                                              policy=policy).replace(dv_local_source="scan")}
+    for name, s in schedules.items():
+        out = run_triton(x, s, policy)
+        ctx = f"gpu {op} {B},{T},{H} {policy} {name}"
+        assert_bf16(out, ref, ctx)
+        assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
 
 
 @pytest.mark.gpu
