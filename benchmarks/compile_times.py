@@ -248,13 +248,12 @@ def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = Fal
 
 def _cubin_tool(name: str, option: str, cubin: bytes) -> str:
     """stdout of one of Triton's bundled CUDA binary tools (cuobjdump, nvdisasm) run on `cubin`."""
-    import triton
+    from rewy_tune.ir_hazards import cubin_tool
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, *option.split(), f.name], capture_output=True, text=True).stdout
+    done = cubin_tool(name, option, cubin)
+    if done is None:
+        raise FileNotFoundError(f"Triton ships no {name} (triton/backends/nvidia/bin)")
+    return done.stdout
 
 
 # an instruction line of `nvdisasm -c`: /*addr*/, an optional predicate, the opcode

@@ -45,8 +45,7 @@ def main() -> None:
     msg = {"op": args.op, "policy": args.policy, "K": K, "V": V, "device": "h200", "backend": "triton",
            "schedule": s.to_dict(), "seed": 0}
     out = trial_worker._gate(msg)
-    kernels = ir_hazards.kernel_functions()
-    compiled = [k for fn in kernels for caches in fn.device_caches.values() for k in caches[0].values()]
+    compiled = list(ir_hazards.compiled_kernels(ir_hazards.kernel_functions()))
     readable = sum(1 for k in compiled if ir_hazards._nvdisasm(getattr(k, "asm", {}).get("cubin", b"")) is not None)
     print(f"{args.op} {args.policy} K=V={K} rowsum_first={args.rowsum_first}: status {out['status']} "
           f"{out.get('message', '')!r}; {len(compiled)} kernels compiled, {readable} disassembled")

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 import test_triton_scalar as T  # noqa: E402
 from rewy_tune.kernels.reference.chunk_forward import chunk_forward  # noqa: E402
+from rewy_tune.gates import poison_allocations  # noqa: E402
 from rewy_tune.kernels.triton.query_side import query_side  # noqa: E402
 
 
@@ -36,26 +37,15 @@ def where(a: torch.Tensor, b: torch.Tensor) -> str:
     if not bad.any():
         return "same"
     idx = bad.nonzero()
-    return (f"{int(bad.sum())} differ ({int(b.isnan().sum())} NaN) (max {(a.float() - b.float()).abs().max().item():.3g}) in chunks "
+    return (f"{int(bad.sum())} differ ({int(b.isnan().sum())} NaN) "
+            f"(max {(a.float() - b.float()).abs().max().item():.3g}) in chunks "
             f"{sorted(set((idx[:, 1] // 64).tolist()))[:12]} heads {sorted(set(idx[:, 2].tolist()))[:8]} "
             f"columns {sorted(set((idx[:, 3] // 16 * 16).tolist()))[:8]}")
-
-
-def poison_empty() -> None:
-    """torch.empty / empty_like start as NaN (the tests' nan_poison fixture): unwritten or early-read tiles show."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poisoned(x):
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    torch.empty = lambda *a, **kw: poisoned(empty(*a, **kw))
-    torch.empty_like = lambda *a, **kw: poisoned(empty_like(*a, **kw))
 
 
 def ranges_check(B: int, Tn: int, H: int, n_ranges: int, runs: int) -> None:
     from rewy_tune.kernels.triton import pipeline
 
-    poison_empty()
     scan_beside = pipeline._scan_beside_consumer
 
     def synchronized(launches, streams, gate_made=None, before_ranges=None):
@@ -97,7 +87,8 @@ def main() -> None:
     args = ap.parse_args()
     B, Tn, H = (int(v) for v in args.shape.split(","))
     if args.ranges:
-        return ranges_check(B, Tn, H, args.ranges, args.runs)
+        with poison_allocations():  # (as the tests' nan_poison: a tile read before it is written shows as NaN)
+            return ranges_check(B, Tn, H, args.ranges, args.runs)
     for op in ("deltanet", "gdn"):
         x = T.make_inputs(op, B, Tn, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=4103, gate_div=1.0)
         scale = 128 ** -0.5

@@ -21,10 +21,10 @@ consumer with STATE_ROWSUM_FIRST at K = V = 256 (bf16 S0, 2 stages) lost phase 2
 (γ P S0ᵀ enters dk and the erase path only) came out wrong on the H200 while dq passed.
 
 `compiled_hazards(kernel_functions())` applies it to the kernels a process has compiled (their TTGIR kept in Triton's
-cache), and `compiled_dropped_products` the other check to their cubins: the tuner's gate runs both after a schedule's
-gate cases (`trial_worker`), since a run-twice comparison catches such a race only sometimes, and a gate case may miss
-the shape whose binary lost a product. `forget_compiled` empties the in-memory kernel caches first, so that what is found
-afterwards is what that schedule compiled or loaded.
+cache), and `compiled_dropped_products` the other check to their cubins: the tuner's gate runs both after a
+schedule's gate cases (`trial_worker`), since a run-twice comparison catches such a race only sometimes, and a gate
+case may miss the shape whose binary lost a product. `forget_compiled` empties the in-memory kernel caches first, so
+that what is found afterwards is what that schedule compiled or loaded.
 """
 
 from __future__ import annotations
@@ -151,36 +151,47 @@ def forget_compiled(functions) -> None:
         fn.device_caches.clear()
 
 
-def _nvdisasm(cubin: bytes) -> str | None:
-    """`nvdisasm -c` of a cubin with the tool Triton bundles, or None where it is missing or fails."""
+def cubin_tool(name: str, option: str, cubin: bytes):
+    """One of Triton's bundled CUDA binary tools (nvdisasm, cuobjdump) run on `cubin`: the finished process (stdout
+    text), or None where Triton ships no such tool."""
     import os
     import subprocess
     import tempfile
 
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if not os.path.exists(tool):
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
-    return done.stdout if done.returncode == 0 else None
+        return subprocess.run([tool, *option.split(), f.name], capture_output=True, text=True)
+
+
+def _nvdisasm(cubin: bytes) -> str | None:
+    """`nvdisasm -c` of a cubin, or None where the tool is missing or fails."""
+    done = cubin_tool("nvdisasm", "-c", cubin)
+    return done.stdout if done is not None and done.returncode == 0 else None
+
+
+def compiled_kernels(functions):
+    """The compiled kernels the JIT functions hold in memory (Triton 3.6's device caches)."""
+    for fn in functions:
+        for caches in list(fn.device_caches.values()):
+            yield from list(caches[0].values())
 
 
 def compiled_dropped_products(functions) -> list[tuple[str, int]]:
     """(kernel name, count) for every compiled kernel of the functions whose SASS has products ptxas dropped
     (`dropped_products`); kernels without a cubin, or where nvdisasm cannot run, are not checked."""
     found = []
-    for fn in functions:
-        for caches in list(fn.device_caches.values()):
-            for kernel in list(caches[0].values()):
-                cubin = getattr(kernel, "asm", {}).get("cubin")
-                sass = _nvdisasm(cubin) if cubin else None
-                n = dropped_products(sass) if sass else 0
-                if n:
-                    found.append((kernel.name, n))
+    for kernel in compiled_kernels(functions):
+        cubin = getattr(kernel, "asm", {}).get("cubin")
+        sass = _nvdisasm(cubin) if cubin else None
+        n = dropped_products(sass) if sass else 0
+        if n:
+            found.append((kernel.name, n))
     return found
 
 
@@ -188,12 +199,10 @@ def compiled_hazards(functions) -> tuple[list[tuple[str, Hazard]], int]:
     """(kernel name, hazard) for every hazard in the TTGIR of the kernels the functions hold compiled, and how many
     compiled kernels had no TTGIR to read (a cache copied without it: not checked)."""
     found, unread = [], 0
-    for fn in functions:
-        for caches in list(fn.device_caches.values()):
-            for kernel in list(caches[0].values()):
-                asm = getattr(kernel, "asm", {})
-                if "ttgir" not in asm:
-                    unread += 1
-                    continue
-                found.extend((kernel.name, h) for h in war_hazards(asm["ttgir"]))
+    for kernel in compiled_kernels(functions):
+        asm = getattr(kernel, "asm", {})
+        if "ttgir" not in asm:
+            unread += 1
+            continue
+        found.extend((kernel.name, h) for h in war_hazards(asm["ttgir"]))
     return found, unread

@@ -26,8 +26,8 @@ accept any value. ``dv_local_source``: "recompute" rebuilds A_qk in dv_local fro
 scalar gates read it as "recompute") has the autograd Function save the forward's A_qk ([B,T,H,C] in the input
 dtype, FLA's ``Aqk``, which FLA's own backward keeps too) and dv_local multiplies it with dO; "scan" (scalar gates
 only) runs no dv_local stage: each chunk step of the reverse scan forms A_qk from its own q, k, G tiles, off the
-state's chain, and dv_local with it (`scan.reverse_state_scan(dv_local_from_qk=True)`). ``consumer_order`` is read only by the joint_tma
-consumer: "fused" forms Q̄_g, Ē_dir and K̄_t in one V pass, then dq and dk; "dq_first" gives Q̄_g its own V pass
+state's chain, and dv_local with it (`scan.reverse_state_scan(dv_local_from_qk=True)`). ``consumer_order`` is read
+only by the joint_tma consumer: "fused" forms Q̄_g, Ē_dir and K̄_t in one V pass, then dq and dk; "dq_first" gives Q̄_g its own V pass
 and finishes dq and dk's column side before forming Ē_dir and K̄_t (fewer live registers, S0 and Q, K read twice).
 ``column_side`` is read only by joint_tma too: "scratch" forms dk's column side Qᵀ Γ_q + (eK)ᵀ Γ_r as columns per K
 tile and turns it into rows through an fp32 scratch and a CTA barrier; "gamma_t" stores Γ_q, Γ_r once per chunk,

@@ -98,8 +98,9 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
     `dv_local_source` and the vector cumsum's feature tile. Under policy "R" scan_operands "forward" is left out:
     nothing is saved for it there and it runs as "pregated", so its trials would repeat those (None: both)."""
     scalar.check_default_policy(policy)
-    # dv_local_source first: the tuner samples in this order and dv_local.block_k is conditional on it
-    out = scalar.space(K, V)  # (dv_local_source comes first there)
+    # dv_local_source first (it is in the scalar space): the tuner samples in this order and dv_local.block_k is
+    # conditional on it
+    out = scalar.space(K, V)
     out["dv_local_source"] = list(DV_LOCAL_SOURCE_CHOICES)
     out["consumer"] = ["joint", "separate"]  # "joint_tma" is a scalar-gate consumer
     for name in scalar.TMA_ONLY_FIELDS:  # read by joint_tma only
