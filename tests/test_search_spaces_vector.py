@@ -145,6 +145,14 @@ def test_scalar_constraint_rejects_the_miscompiled_recompute_stage():
     assert search.constraint_violation(bad, op="gdn", K=128, V=128, compute_capability=(9, 0)) is not None
 
 
+def test_scalar_constraint_takes_dv_local_in_the_kv_scan_only():
+    # dv_local_source "scan": the "kv" reverse scan forms A_qk; the transposed one does not (it would refuse at launch)
+    base = scalar.default_schedule((9, 0)).replace(dv_local_source="scan")
+    assert scalar.constraint(base, H200) == []
+    assert "dv_local_source 'scan': only the 'kv' reverse scan forms dv_local (reverse_scan_layout 'vk')" in \
+        scalar.constraint(base.replace(reverse_scan_layout="vk"), H200)
+
+
 def test_scalar_constraint_accepts_the_query_side_stage_on_sm90_16bit():
     # session 34 rejected it there: dk changed from run to run beside the reverse scan (H200, bf16). Session 35 found
     # the cause, a loaded tile left in a one-slot buffer under an asynchronous product (rewy_tune/ir_hazards.py),

@@ -1166,6 +1166,9 @@ def test_bad_inputs():
         call(q=big, k=big, g=big)
     with pytest.raises(ValueError, match="policy A"):
         call(S0=torch.zeros(1, 1, 1, 32, 32))
+    with pytest.raises(ValueError, match=r"dv_local_source='scan' \(the reverse scan forms A_qk\) is for scalar gates "
+                                         r"\(DeltaNet, GDN\); KDA/GDN2 accept 'recompute' or 'forward'"):
+        call(schedule=BASE.replace(dv_local_source="scan"))
 
 
 # ----------------------------------------------------------------------------------------------------------
