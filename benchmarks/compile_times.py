@@ -15,7 +15,7 @@ launches that one backward of an operator makes with a given schedule:
 
     python benchmarks/compile_times.py --op gdn2 [--schedule FILE] [--policy R] [--head-dim 128] [--H 4]
                                        [--dtype bf16|fp32] [--gate] [--sass KERNEL,...] [--kernels REGEX]
-                                       [--chase]
+                                       [--chase] [--flag MODULE.NAME=INT]
 
 --sass prints the named kernels' static SASS opcode counts (nvdisasm): spill loads/stores, barriers, tensor-core
 and global-memory instructions. With SASS_DUMP=DIR it also writes their SASS listings there (each instruction's
@@ -57,6 +57,10 @@ def _record(args) -> list[dict]:
     from rewy_tune.schedule import Schedule
     from rewy_tune.search import default_schedule
 
+    for item in args.flag or ():  # (imported under the interpreter, above; the kernels read them at launch)
+        key, _, value = item.partition("=")
+        module, _, name = key.rpartition(".")
+        setattr(importlib.import_module(f"rewy_tune.kernels.triton.{module}"), name, int(value))
     launches: list[dict] = []
 
     class Recorder:
@@ -302,6 +306,9 @@ def main() -> None:
     ap.add_argument("--hazards", action="store_true",
                     help="exit 1 if a kernel's TTGIR has a shared-memory write-after-read hazard of an asynchronous "
                          "product, or its SASS a product ptxas dropped (rewy_tune/ir_hazards.py; always reported)")
+    ap.add_argument("--flag", action="append", default=None, metavar="MODULE.NAME=INT",
+                    help="set a kernels/triton module flag while the launches are recorded (as profile_stages' flag "
+                         "variants), e.g. scan.SCALAR_STATE_ROWS=128")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -13,7 +13,8 @@
 # (benchmarks/model_check.py; needs FLA's model package carried too, which the image lacks (session 18):
 # bash ../shared/tools/device-wheels.sh flash-linear-attention==0.6.0), combine (benchmarks/combine_bench.py: the
 # segment-combine kernel at 1-3 stages, COMBINE_S seconds), scanbench (benchmarks/scan_bench.py: the reverse scan alone
-# per chunk step against FLA's, SCANBENCH_S seconds), timeline (benchmarks/chase_timeline.py once per "|"-separated
+# per chunk step against FLA's, SCANBENCH_S seconds, SCANBENCH_ARGS e.g. "--only deltanet,gdn --heads 16 32
+# --no-combine"), timeline (benchmarks/chase_timeline.py once per "|"-separated
 # argument list in TIMELINE_RUNS: each kernel's start and end in a replayed graph), script (python3 $SCRIPT_ARGS, SCRIPT_S
 # seconds: a diagnostic of this checkout).
 # BENCH_ARGS, SWEEP_ARGS, TEST_ARGS are split on spaces and quotes inside them are not removed: give each field its
@@ -124,7 +125,9 @@ step_combine() {  # the segment-combine kernel at 1-3 stages (benchmarks/combine
   echo "combine rc=$?"; grep -vE "Warning|warn" "$OUT/combine.log" | tail -12
 }
 step_scanbench() {  # the reverse scan alone per chunk step, against FLA's (benchmarks/scan_bench.py)
-  timeout "${SCANBENCH_S:-150}" python3 benchmarks/scan_bench.py --json "$RES/scan_bench.json" > "$OUT/scan_bench.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout "${SCANBENCH_S:-150}" python3 benchmarks/scan_bench.py ${SCANBENCH_ARGS:-} --json "$RES/scan_bench.json" \
+    > "$OUT/scan_bench.log" 2>&1
   echo "scanbench rc=$?"; grep -vE "Warning|warn|return \[o for o" "$OUT/scan_bench.log" | tail -45
 }
 step_timeline() {  # kernel start/end in a replayed graph (benchmarks/chase_timeline.py); TIMELINE_RUNS: its

@@ -1,6 +1,7 @@
 """Time the reverse state scan alone on a GPU, per chunk step, against FLA's reverse scan on the same inputs.
 
-    python -P benchmarks/scan_bench.py [--json OUT] [--jobs 14]
+    python -P benchmarks/scan_bench.py [--json OUT] [--jobs 14] [--only deltanet,gdn] [--heads 4 16 32]
+                                       [--no-combine]
 
 Why: in the policy-A KDA/GDN2 backward the reverse scan (unsplit, 64-wide state tiles) took about 3.7 µs per chunk
 step on the H200 (session 31: 119 µs for 32 chunks at (1, 2048, 16)), where FLA's own reverse scan, fed the same
@@ -27,11 +28,12 @@ T = 2048
 HEADS = (4, 16)
 # (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, options]): options a tuple of (name, value),
 # ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state
-# (Schedule.reverse_scan_layout).
+# (Schedule.reverse_scan_layout), ("rows", 128) for scan.SCALAR_STATE_ROWS 128 (one 128-row state block at K = 128).
 # The KDA/GDN2 policy-A default (session 32's, with fp32 states) first; session 33's first call timed these before
 # EARLY_GATE_ROW
 LATE = (("early", False),)
 VK = (("layout", "vk"),)
+ROWS128 = (("rows", 128),)
 SCANS = [
     ("kda-A default", "kda", 64, 4, 3, "fp32", True),
     ("kda-A late G_n", "kda", 64, 4, 3, "fp32", True, LATE),
@@ -57,6 +59,14 @@ SCANS = [
     ("deltanet vk BV32 bf16", "none", 32, 4, 3, "bf16", False, VK),
     ("gdn BV32 bf16", "gdn", 32, 4, 3, "bf16", False),
     ("gdn vk BV64 bf16", "gdn", 64, 4, 3, "bf16", False, VK),
+    # session 37: the state in one 128-row register block (three products a chunk step instead of six), and 16-wide
+    # value tiles (twice the programs: 128 at B·H = 16)
+    ("deltanet rows128 BV32 bf16", "none", 32, 4, 3, "bf16", False, ROWS128),
+    ("deltanet rows128 BV32 s2", "none", 32, 4, 2, "bf16", False, ROWS128),
+    ("deltanet rows128 BV64 bf16", "none", 64, 4, 3, "bf16", False, ROWS128),
+    ("deltanet rows128 BV16 bf16", "none", 16, 4, 3, "bf16", False, ROWS128),
+    ("deltanet BV16 bf16", "none", 16, 4, 3, "bf16", False),
+    ("gdn rows128 BV32 bf16", "gdn", 32, 4, 3, "bf16", False, ROWS128),
 ]
 COMBINE_WARPS = (1, 2, 4, 8)
 COMBINE_CASES = ((4, 4), (4, 8))  # (B·H, segments)
@@ -95,6 +105,7 @@ def _scan_fn(cfg, x):
 
     def fn():  # (the flag is read at launch time)
         scan.EARLY_GATE_ROW = opts.get("early", True)
+        scan.SCALAR_STATE_ROWS = opts.get("rows", 64)
         return scan.reverse_state_scan(x["q"], x["k"], x["W"], x["G"], x["do"], dvl, x["dht"], aqk=aqk, **kw)
     return fn
 
@@ -143,26 +154,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None)
     p.add_argument("--jobs", type=int, default=14)
+    p.add_argument("--only", default=None, metavar="WORDS",
+                   help="comma-separated words: only the configurations whose name contains one (FLA's rows stay)")
+    p.add_argument("--heads", type=int, nargs="+", default=list(HEADS), help="the B·H values (default: 4 16)")
+    p.add_argument("--no-combine", action="store_true", help="skip the segment combine's timings")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("scan_bench.py needs a CUDA GPU")
     from rewy_tune import fla_baseline, measure
 
     fla_baseline.autotune_here()
-    jobs = [("scan", c) for c in SCANS] + [("combine", (w, bh, ns)) for w in COMBINE_WARPS
-                                           for bh, ns in COMBINE_CASES]
+    words = args.only.split(",") if args.only else None
+    scans = [c for c in SCANS if words is None or any(w in c[0] for w in words)]
+    combines = () if args.no_combine else COMBINE_CASES
+    jobs = [("scan", c) for c in scans] + [("combine", (w, bh, ns)) for w in COMBINE_WARPS for bh, ns in combines]
     with mp.get_context("spawn").Pool(args.jobs) as pool:
         compiled = dict(zip([j[1] for j in jobs], pool.map(_compile_one, jobs)))
     out = {"scan": {}, "combine": {}}
     NT = T // C
-    for BH in HEADS:
+    for BH in args.heads:
         print(f"== reverse scan, B·H = {BH}, T = {T} ({NT} chunks), unsplit: µs per launch, per chunk step")
         xs = {gate: _inputs(BH, T, gate) for gate in ("kda", "gdn", "none")}
         rows = [("FLA dhu (gated q, k, gk)", lambda: _fla_fn(xs["kda"])),
                 ("FLA dhu (DeltaNet)", lambda: _fla_fn(xs["none"], "none")),
                 ("FLA dhu (GDN g)", lambda: _fla_fn(xs["gdn"], "gdn"))]
-        rows += [(c[0], (lambda c=c: _scan_fn(c, xs[c[1]]))) for c in SCANS if compiled[c] == "ok"]
-        for c in SCANS:
+        rows += [(c[0], (lambda c=c: _scan_fn(c, xs[c[1]]))) for c in scans if compiled[c] == "ok"]
+        for c in scans:
             if compiled[c] != "ok":
                 print(f"   {c[0]:26s} not compiled: {compiled[c]}")
         for name, make in rows:
@@ -174,7 +191,7 @@ def main() -> None:
             out["scan"].setdefault(name, {})[BH] = us
             print(f"   {name:26s} {us:8.1f} µs  {us / NT:6.2f} µs/step")
     print("== segment combine (tf32, 16-wide value tiles): µs per launch")
-    for bh, ns in COMBINE_CASES:
+    for bh, ns in combines:
         ref = None
         for w in COMBINE_WARPS:
             if compiled[(w, bh, ns)] != "ok":

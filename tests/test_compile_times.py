@@ -108,3 +108,24 @@ def test_forward_scan_stages_no_more_than_flas_kernel(tmp_path):
     a, b = mix(ours.stdout, "rewy_fwd_scan_kernel {"), mix(fla.stdout, "fla_fwd_h")
     for op in ("BAR", "STSM", "HGMMA"):
         assert 0 < a.get(op, 0) <= b.get(op, 0), (op, a, b)
+
+
+def test_a_module_flag_reaches_the_recorded_launches(tmp_path):
+    # --flag sets a kernels/triton module flag while the launches are recorded: with scan.SCALAR_STATE_ROWS=128 the
+    # DeltaNet A reverse scan at K = 128 holds its state in one block, so each chunk step waits for three tensor-core
+    # products instead of six (each wait one WARPGROUP.ARRIVE and one WARPGROUP.DEPBAR in the SASS)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), SASS_TOP="400")
+    counts = {}
+    for rows in (64, 128):
+        out = subprocess.run([sys.executable, str(SCRIPT), "--op", "deltanet", "--policy", "A", "--kernels",
+                              "rewy_bwd_scan", "--sass", "rewy_bwd_scan_kernel", "--flag",
+                              f"scan.SCALAR_STATE_ROWS={rows}"], capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        if "NO-CUOBJDUMP" in out.stdout or "regs" not in out.stdout:
+            pytest.skip("this Triton wheel bundles no cuobjdump")
+        line = next(x for x in out.stdout.splitlines() if x.startswith("rewy_bwd_scan_kernel {"))
+        counts[rows] = _opcode_counts(line)
+    assert counts[64]["HGMMA"] == counts[128]["HGMMA"] == 24  # the same products (m64n32k16 each)
+    # an ARRIVE before and a DEPBAR after each waited product: six of them, then three (and one more ARRIVE)
+    assert counts[64]["WARPGROUP"] == 12 and counts[128]["WARPGROUP"] <= 7, (counts[64], counts[128])
