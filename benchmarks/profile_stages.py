@@ -48,6 +48,11 @@ FLAG_VARIANTS = {
     # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
+    # session 37 (untimed): the no-gate / scalar-gate reverse scan's state in one 128-row register block at K = 128,
+    # three products a chunk step instead of six; also with 16-wide value tiles (twice the programs) and 2 stages
+    "rows128": ({"scan.SCALAR_STATE_ROWS": 128}, {}),
+    "rows128-bv16": ({"scan.SCALAR_STATE_ROWS": 128}, {"reverse_scan": {"block_v": 16}}),
+    "rows128-s2": ({"scan.SCALAR_STATE_ROWS": 128}, {"reverse_scan": {"num_stages": 2}}),
 }
 
 
@@ -252,6 +257,7 @@ def variants_for(op: str, base):
         # memory: the query-side stage's CTAs beside it) and with the consumer ranges
         out["dvl-scan"] = base.replace(dv_local_source="scan")
         out["dvl-scan-s2"] = base.replace(dv_local_source="scan", reverse_scan={"num_stages": 2})
+        out["dvl-scan-bv16"] = base.replace(dv_local_source="scan", reverse_scan={"block_v": 16})
         if base.consumer == "joint_tma":
             out["dvl-scan-ranges4"] = base.replace(dv_local_source="scan", consumer_ranges=4)
         # session 35: the reverse scan's state transposed (dSᵀ: both chained products read it from registers)
@@ -287,6 +293,8 @@ def variants_for(op: str, base):
                            ("bscan-s3", None, {"num_stages": 3}),
                            ("bscan-bv32-s3", None, {"block_v": 32, "num_stages": 3}),
                            ("bscan-bv16-s2", None, {"block_v": 16, "num_stages": 2}),  # session 12's reverse scan
+                           # session 37: at B·H = 16 the 32-wide reverse scan holds 64 of 132 SMs; 16 wide, 128
+                           ("bscan-bv16", None, {"block_v": 16}),
                            ("scans-fla", {"block_v": 32, "num_stages": 4}, {"block_v": 32, "num_stages": 3})):
         out[name] = base.replace(**{k: v for k, v in (("forward_scan", fwd), ("reverse_scan", bwd)) if v})
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,

@@ -470,7 +470,9 @@ def rewy_bwd_scan_kernel(
         # G_n per state block (EARLY_GN), issued before the products, whose time then hides the loads' latency
         b_gn0, b_gn1, b_gn2, b_gn3 = _early_gate_rows(G, tok_last, K, KB, NB, GATE, EARLY_GN)
         # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
-        b_rb = tl.zeros([BT, BV], dtype=tl.float32)
+        # (with one state block, a zero accumulator plus dv_local would be folded into the product's accumulator,
+        # whose load the pipeliner then leaves unpipelined: the zeros are not a constant here)
+        b_rb = tl.zeros([BT, BV], dtype=tl.float32) * scale if NB == 1 else tl.zeros([BT, BV], dtype=tl.float32)
         b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d0, 0, K, KB, GATE, PREC)
         if NB > 1:
             b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d1, 1, K, KB, GATE, PREC)
@@ -779,6 +781,32 @@ def _state_blocks(K: int) -> tuple[int, int]:
     """(rows per state register block KB ≤ 64, number of blocks NB): K ≤ 64 → one, ≤ 128 → two, ≤ 256 → four."""
     KB = min(64, max(16, triton.next_power_of_2(K)))
     return KB, triton.cdiv(K, KB)
+
+
+# Rows per state register block of the reverse scan with no gate or a scalar gate ("kv" layout): 64 as FLA's
+# kernels hold it, or 128. At K = 128 one block makes each chunk step three tensor-core products (K_t dS, Q_gᵀ dO,
+# Wᵀ R̄, each m64 x k128 or m128 x k64) instead of six, each waited for and fenced once: sm_90, DeltaNet A default,
+# loop body 6 -> 3 product waits, MEMBAR and proxy fences, 498 -> 530 instructions, 104 -> 128 registers, no
+# hazards (`benchmarks/compile_times.py --flag scan.SCALAR_STATE_ROWS=128`). Untimed on a GPU (session 37 had
+# none): off until `scan_bench.py` and a sweep time it (profile variants "rows128*").
+SCALAR_STATE_ROWS = 64
+
+
+def _reverse_state_blocks(K: int, gate_code: int) -> tuple[int, int]:
+    """(KB, NB) of the reverse scan kernel: `_state_blocks`, or blocks of up to SCALAR_STATE_ROWS rows with no gate
+    or a scalar gate (gate_code ≤ 1; a vector gate's per-row gate loads stay 64 wide)."""
+    KB, NB = _state_blocks(K)
+    if gate_code <= 1 and SCALAR_STATE_ROWS > KB and K > KB:
+        KB = min(SCALAR_STATE_ROWS, triton.next_power_of_2(K))
+        NB = triton.cdiv(K, KB)
+    return KB, NB
+
+
+def _combine_blocks(K: int) -> dict:
+    """The segment combine's register blocks, whatever the scan's (its shared memory is sized from them,
+    `combine_carry_shared_memory`)."""
+    KB, NB = _state_blocks(K)
+    return dict(KB=KB, NB=NB)
 
 
 # Value tile of the segment-combine kernel, independent of the scans' BV: 16 columns keep it at ~100 registers
@@ -1159,7 +1187,7 @@ def reverse_state_scan_ranges(
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
-    KB, NB = _state_blocks(K)
+    KB, NB = _reverse_state_blocks(K, code)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
                   PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
@@ -1195,8 +1223,8 @@ def reverse_state_scan_ranges(
             rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, None, None, scale, T, NT,
                                         CPS, 1, NS=NS, PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
                                         IN_CARRY=False, PUBLISH=False, PDL=False, **common)
-            _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, reverse=True, prec=prec,
-                             num_warps=num_warps)
+            _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, **_combine_blocks(K), reverse=True,
+                             prec=prec, num_warps=num_warps)
         if vk is not None:
             rewy_bwd_scan_vk_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT,
                                                      CPS, 0, NS=NS, USE_DH_IN=dh_in is not None, STORE_DH0=want_dh0,

@@ -391,6 +391,63 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+@pytest.mark.parametrize("B,T,H,K,V,C,BV,with_state,num_segments,dvl,dtype", [
+    (1, 130, 2, 128, 48, 32, 16, True, 1, "read", torch.float32),  # one 128-row block, a tail, V not a multiple of BV
+    (2, 128, 1, 128, 64, 16, 32, False, 2, "read", torch.float32),  # split: the transfer pass in 128-row blocks
+    (1, 100, 1, 96, 32, 32, 32, True, 1, "none", torch.float32),  # K = 96: one block of 128 rows, 32 of them masked
+    (1, 70, 1, 256, 32, 32, 16, True, 1, "read", torch.float32),  # K = 256: two blocks of 128 rows
+    (1, 130, 1, 128, 64, 32, 32, True, 1, "qk", torch.bfloat16),  # dv_local formed in the scan, 16-bit products
+])
+def test_reverse_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, num_segments, dvl, dtype, gate,
+                                              monkeypatch):
+    # scan.SCALAR_STATE_ROWS = 128 (off; session 37): the reverse scan with no gate or a scalar gate holds its state in
+    # register blocks of up to 128 rows. Against the float64 scan on outputs poisoned with NaN, every launch with
+    # those blocks (the split's combine keeps its own), and its chunk ranges give the bits of one launch
+    from rewy_tune.kernels.triton import scan
+
+    monkeypatch.setattr(scan, "SCALAR_STATE_ROWS", 128)
+    launched = []
+    monkeypatch.setattr(scan, "rewy_bwd_scan_kernel", _Spy(scan.rewy_bwd_scan_kernel, launched, key="KB"))
+    s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    do = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype)
+    dv = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype) if dvl == "read" else None
+    dht = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
+    scale = K ** -0.5
+    kw = dict(scale=scale, chunk_size=C, BK=triton.next_power_of_2(K), BV=BV, num_warps=4, num_stages=2,
+              want_dh0=True, dv_local_from_qk=dvl == "qk")
+    with poison_allocations():
+        dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_segments=num_segments,
+                                          **kw)
+    assert launched and set(launched) == {128}
+    ref_dvl = ref_dv_local(s["q"], s["k"], s["G"], do, scale, C) if dvl == "qk" else dv
+    dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, ref_dvl, dht, scale, C)
+    check(dS1, dr, dtype, "dS1 per chunk")
+    check(Rb, Rr, dtype, "Rbar")
+    check(dh0, hr, dtype, "dh0")
+    one = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, **kw)
+    *ranged, launches = scan.reverse_state_scan_ranges(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_ranges=2,
+                                                       **kw)
+    assert list(launches) == scan.chunk_ranges(triton.cdiv(T, C), 2)
+    for name, a, b in zip(("dS1", "Rbar", "dh0"), one, ranged):
+        assert torch.equal(a, b), name
+
+
+def test_reverse_state_blocks_of_128_rows_only_without_a_vector_gate(monkeypatch):
+    # the vector gates' scans keep 64-row blocks (their per-row gate loads); the combine keeps its own either way
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.kernels.triton.recompute import GATE_NONE, GATE_SCALAR, GATE_VECTOR
+
+    assert scan.SCALAR_STATE_ROWS == 64  # off by default: untimed on a GPU
+    assert scan._reverse_state_blocks(128, scan._gate_code(GATE_SCALAR, False)) == (64, 2)
+    monkeypatch.setattr(scan, "SCALAR_STATE_ROWS", 128)
+    for gk, K, want in ((GATE_NONE, 128, (128, 1)), (GATE_SCALAR, 256, (128, 2)), (GATE_NONE, 64, (64, 1)),
+                        (GATE_NONE, 96, (128, 1)), (GATE_VECTOR, 128, (64, 2))):
+        assert scan._reverse_state_blocks(K, scan._gate_code(gk, False)) == want, (gk, K)
+    assert scan._combine_blocks(128) == {"KB": 64, "NB": 2}
+
+
 def test_reverse_state_scan_forming_dv_local_refuses_what_it_does_not_form():
     from rewy_tune.kernels.triton.scan import reverse_state_scan_ranges
 
@@ -566,14 +623,14 @@ def test_gpu_scan_ranges_hold_their_carry_on_another_stream(monkeypatch):
 
 
 class _Spy:
-    """A launchable stand-in that records each launch and runs the kernel."""
+    """A launchable stand-in that records one keyword of each launch (num_stages unless told) and runs the kernel."""
 
-    def __init__(self, kernel, log):
-        self.kernel, self.log = kernel, log
+    def __init__(self, kernel, log, key="num_stages"):
+        self.kernel, self.log, self.key = kernel, log, key
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.log.append(kw["num_stages"])
+            self.log.append(kw[self.key])
             return self.kernel[grid](*args, **kw)
         return launch
 
