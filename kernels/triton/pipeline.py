@@ -470,13 +470,21 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # stage on the main stream beside them, before the first consumer range (`_scan_beside_consumer`); otherwise it
     # takes the side stream's scan beside it
     NT = triton.cdiv(q.shape[1], C)
+    G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
+    scan_split = {}  # split program limit -> the segments the reverse scan would split into (asked once each)
+
+    def reverse_segments(limit: int) -> int:
+        if limit not in scan_split:
+            scan_split[limit] = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C,
+                                                           BV=sc.reverse_scan.block_v,
+                                                           num_segments=sc.reverse_scan_segments,
+                                                           split_max_programs=limit)
+        return scan_split[limit]
+
     query_in_ranges = (query_side is not None and W is not None and S0 is not None
                        and consumer_range_count(sc, NT, query_side=True) > 1)
     if query_in_ranges and not sc.consumer_ranges:  # auto: only where the scan runs unsplit, else beside it whole
-        query_in_ranges = reverse_scan_segment_count(
-            k, scan_gk if scan_gk is not None else G, v.shape[-1], chunk_size=C, BV=sc.reverse_scan.block_v,
-            num_segments=sc.reverse_scan_segments,
-            split_max_programs=split_program_limit(sc.scan_split_waves, k.device)) == 1
+        query_in_ranges = reverse_segments(split_program_limit(sc.scan_split_waves, k.device)) == 1
     mode = side_stream_mode(sc, k.device, W is None or S0 is None or (query_side is not None and not query_in_ranges))
     main = torch.cuda.current_stream(k.device) if mode != "none" else None
     side = side_stream(k.device) if mode != "none" else None
@@ -490,7 +498,6 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
         split_limit = max(1, split_limit // 2) if split_limit > 0 else 0  # (0 means no limit)
     dl, rs = sc.dv_local, sc.reverse_scan
 
-    G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
     # The reverse scan's plan: the segments it would split into, and the consumer's chunk ranges (Schedule.
     # consumer_ranges), which run it unsplit in place of such a split where it runs last and alone (not beside the
     # forward scan)
@@ -500,8 +507,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                  and consumer_chases_scan(sc, k.device, vector=vector))
     chase = None  # the scan's per-chunk counters, where the consumer chases it (one scan launch, unsplit)
     if n_ranges > 1 or scan_aqk is not None or may_chase:  # (only then: what it would split into)
-        segments = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=rs.block_v,
-                                              num_segments=sc.reverse_scan_segments, split_max_programs=split_limit)
+        segments = reverse_segments(split_limit)
         if n_ranges > 1:  # whether its split rules them out
             n_ranges = consumer_range_count(sc, NT, vector=vector, scan_segments=segments, query_side=query_in_ranges)
         if scan_aqk is not None and not dv_local_in_scan_pays(NT, segments, n_ranges):
