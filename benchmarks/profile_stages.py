@@ -49,10 +49,14 @@ FLAG_VARIANTS = {
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
     # session 37 (untimed): the no-gate / scalar-gate reverse scan's state in one 128-row register block at K = 128,
-    # three products a chunk step instead of six; also with 16-wide value tiles (twice the programs) and 2 stages
+    # three products a chunk step instead of six; also with 16-wide value tiles (twice the programs) and 2 stages;
+    # and DeltaNet's Qᵀ dO formed a step ahead (its wait deferred to the next step's first product), alone and with
+    # the 128-row block (two waited products a step)
     "rows128": ({"scan.SCALAR_STATE_ROWS": 128}, {}),
     "rows128-bv16": ({"scan.SCALAR_STATE_ROWS": 128}, {"reverse_scan": {"block_v": 16}}),
     "rows128-s2": ({"scan.SCALAR_STATE_ROWS": 128}, {"reverse_scan": {"num_stages": 2}}),
+    "qdo-ahead": ({"scan.QDO_AHEAD": True}, {}),
+    "rows128-qdo-ahead": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True}, {}),
 }
 
 

@@ -239,6 +239,31 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
     return _mma(b_wt, b_nrb, b_ds, PREC)
 
 
+@triton.jit
+def _do_tile(do, tok, m_row, cols, m_col, V: tl.constexpr):
+    # dO's [BT, BV] tile as stored: a product operand straight from its (pipelined) shared-memory copy
+    return tl.load(do + tok[:, None] * V + cols[None, :], mask=m_row[:, None] & m_col[None, :], other=0.0)
+
+
+@triton.jit
+def _q_do_block(q, tok, m_row, b_dod, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr):
+    # Q[:, block]ᵀ b_dod [KB, BV] from a zero accumulator, Qᵀ loaded transposed
+    o_k = i_kb * KB + tl.arange(0, KB)
+    m_k = o_k < K
+    b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
+    return _mma(b_qt, b_dod, tl.zeros([KB, b_dod.shape[1]], dtype=tl.float32), PREC)
+
+
+@triton.jit
+def _w_state_update(b_ds, W, tok, m_row, b_nrb, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                    PREC: tl.constexpr):
+    # dS[block] ← b_ds + W[:, block]ᵀ (−R̄), Wᵀ loaded transposed (b_ds: Γ_n dS + Q_gᵀ dO, formed by the caller)
+    o_k = i_kb * KB + tl.arange(0, KB)
+    m_k = o_k < K
+    b_wt = tl.load(W + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
+    return _mma(b_wt, b_nrb, b_ds, PREC)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
 def rewy_fwd_scan_kernel(
     k, W, U, G, h_in, Hs, R, X,
@@ -411,6 +436,7 @@ def rewy_bwd_scan_kernel(
     GATE: tl.constexpr, PHASE: tl.constexpr, USE_DH_IN: tl.constexpr, HAS_DVL: tl.constexpr,
     STORE_DH0: tl.constexpr, PREC: tl.constexpr, CARRY: tl.constexpr, G_LOG2: tl.constexpr,
     IN_CARRY: tl.constexpr, PUBLISH: tl.constexpr, PDL: tl.constexpr, EARLY_GN: tl.constexpr,
+    QDO_AHEAD: tl.constexpr = False,
 ):
     # PHASE 0: reverse scan of segment s from dh_in[bh, s] (gradient at the segment's end; zero if absent),
     #          storing dS1 per chunk, R̄, and dh0 for segment 0. CARRY (chunk ranges, one launch each from the
@@ -432,7 +458,10 @@ def rewy_bwd_scan_kernel(
     #          kernel's programmatic dependent, and may start once every program of this grid has started
     #          (griddepcontrol.launch_dependents here): a consumer CTA that waits never holds an SM a scan program
     #          still needs.
-    # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_d0 .. b_d3.
+    # QDO_AHEAD (no gate; scan.QDO_AHEAD): each step adds s·Qᵀ dO, whose products the step before formed for its chunk
+    #          (b_x0 .. b_x3), and forms the next step's at its end from a zero accumulator and the loaded q and dO
+    #          tiles: Triton then waits for them at the next step's first product, not before this one's −WᵀR̄.
+    # The state's K rows live in NB register blocks of KB rows (64, or 128: SCALAR_STATE_ROWS): b_d0 .. b_d3.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     i_bh, i_b, i_h, i_s, cols, is_bias, p_in = _reverse_scan_program(SEG_OFFSET, H, NS, K, V, BV, CARRY, IN_CARRY)
@@ -448,6 +477,17 @@ def rewy_bwd_scan_kernel(
     c0 = i_s * CPS
     c1 = tl.minimum(c0 + CPS, NT)
     o_t = tl.arange(0, BT)
+    if QDO_AHEAD:  # the first step's Qᵀ dO (the range's last chunk)
+        m_row, tok = _reverse_chunk_rows(c1 - 1, i_b, i_h, T, H, BT)
+        m_row = m_row & (c1 - 1 >= c0)
+        b_dod = _do_tile(do, tok, m_row, cols, is_bias, V)
+        b_x0 = _q_do_block(q, tok, m_row, b_dod, 0, K, KB, PREC)
+        if NB > 1:
+            b_x1 = _q_do_block(q, tok, m_row, b_dod, 1, K, KB, PREC)
+        if NB > 2:
+            b_x2 = _q_do_block(q, tok, m_row, b_dod, 2, K, KB, PREC)
+        if NB > 3:
+            b_x3 = _q_do_block(q, tok, m_row, b_dod, 3, K, KB, PREC)
     for i_r in range(0, c1 - c0):
         i_t = c1 - 1 - i_r
         m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
@@ -508,17 +548,37 @@ def rewy_bwd_scan_kernel(
         if PHASE == 0:
             tl.store(Rbar + tok[:, None] * V + cols[None, :], b_rb.to(Rbar.dtype.element_ty), mask=m_rv)
         b_nrb = (-b_rb).to(dt)
-        b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn0, scale, 0, K, KB,
-                                 GATE, PREC, G_LOG2, EARLY_GN)
-        if NB > 1:
-            b_d1 = _bwd_state_update(b_d1, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn1, scale, 1,
-                                     K, KB, GATE, PREC, G_LOG2, EARLY_GN)
-        if NB > 2:
-            b_d2 = _bwd_state_update(b_d2, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn2, scale, 2,
-                                     K, KB, GATE, PREC, G_LOG2, EARLY_GN)
-        if NB > 3:
-            b_d3 = _bwd_state_update(b_d3, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn3, scale, 3,
-                                     K, KB, GATE, PREC, G_LOG2, EARLY_GN)
+        if QDO_AHEAD:  # (no gate: Q_gᵀ dO = s·Qᵀ dO)
+            b_d0 = _w_state_update(b_d0 + b_x0 * scale, W, tok, m_row, b_nrb, 0, K, KB, PREC)
+            if NB > 1:
+                b_d1 = _w_state_update(b_d1 + b_x1 * scale, W, tok, m_row, b_nrb, 1, K, KB, PREC)
+            if NB > 2:
+                b_d2 = _w_state_update(b_d2 + b_x2 * scale, W, tok, m_row, b_nrb, 2, K, KB, PREC)
+            if NB > 3:
+                b_d3 = _w_state_update(b_d3 + b_x3 * scale, W, tok, m_row, b_nrb, 3, K, KB, PREC)
+            # the next step's (chunk i_t − 1, none past the range's first)
+            m_row, tok = _reverse_chunk_rows(i_t - 1, i_b, i_h, T, H, BT)
+            m_row = m_row & (i_t - 1 >= c0)
+            b_dod = _do_tile(do, tok, m_row, cols, is_bias, V)
+            b_x0 = _q_do_block(q, tok, m_row, b_dod, 0, K, KB, PREC)
+            if NB > 1:
+                b_x1 = _q_do_block(q, tok, m_row, b_dod, 1, K, KB, PREC)
+            if NB > 2:
+                b_x2 = _q_do_block(q, tok, m_row, b_dod, 2, K, KB, PREC)
+            if NB > 3:
+                b_x3 = _q_do_block(q, tok, m_row, b_dod, 3, K, KB, PREC)
+        else:
+            b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn0, scale, 0, K,
+                                     KB, GATE, PREC, G_LOG2, EARLY_GN)
+            if NB > 1:
+                b_d1 = _bwd_state_update(b_d1, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn1, scale, 1,
+                                         K, KB, GATE, PREC, G_LOG2, EARLY_GN)
+            if NB > 2:
+                b_d2 = _bwd_state_update(b_d2, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn2, scale, 2,
+                                         K, KB, GATE, PREC, G_LOG2, EARLY_GN)
+            if NB > 3:
+                b_d3 = _bwd_state_update(b_d3, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn3, scale, 3,
+                                         K, KB, GATE, PREC, G_LOG2, EARLY_GN)
 
     if PHASE == 0:
         if PUBLISH:  # the range's first chunk, the loop's last
@@ -790,6 +850,16 @@ def _state_blocks(K: int) -> tuple[int, int]:
 # hazards (`benchmarks/compile_times.py --flag scan.SCALAR_STATE_ROWS=128`). Untimed on a GPU (session 37 had
 # none): off until `scan_bench.py` and a sweep time it (profile variants "rows128*").
 SCALAR_STATE_ROWS = 64
+
+
+# The no-gate reverse scan (DeltaNet) forms each chunk step's Qᵀ dO products at the end of the step before, from a
+# zero accumulator and the q and dO tiles as loaded, and adds s times them to the state before its −Wᵀ R̄ product.
+# The "kv" loop waits for every product at once (Triton 3.6, sm_90), so each step waited for Q_gᵀ dO before it
+# could start Wᵀ R̄; formed a step ahead, Triton waits for them only at the next step's first product, with that
+# step's state stores and staging in between. (A scalar gate scales dO's rows first, and Triton 3.6 then waits for
+# the product at once, its operand staged from registers: DeltaNet only.) The same sums in another order. Untimed on
+# a GPU (session 37 had none): off until scan_bench and a sweep time it (variants "qdo-ahead*").
+QDO_AHEAD = False
 
 
 def _reverse_state_blocks(K: int, gate_code: int) -> tuple[int, int]:
@@ -1190,7 +1260,8 @@ def reverse_state_scan_ranges(
     KB, NB = _reverse_state_blocks(K, code)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
-                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
+                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=QDO_AHEAD and code == 0,
+                  num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     if progress is not None:
         if NS > 1 or len(ranges) > 1:

@@ -391,6 +391,7 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("rows,ahead", [(128, False), (64, True), (128, True)])
 @pytest.mark.parametrize("gate", ["none", "scalar"])
 @pytest.mark.parametrize("B,T,H,K,V,C,BV,with_state,num_segments,dvl,dtype", [
     (1, 130, 2, 128, 48, 32, 16, True, 1, "read", torch.float32),  # one 128-row block, a tail, V not a multiple of BV
@@ -399,16 +400,21 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
     (1, 70, 1, 256, 32, 32, 16, True, 1, "read", torch.float32),  # K = 256: two blocks of 128 rows
     (1, 130, 1, 128, 64, 32, 32, True, 1, "qk", torch.bfloat16),  # dv_local formed in the scan, 16-bit products
 ])
-def test_reverse_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, num_segments, dvl, dtype, gate,
-                                              monkeypatch):
-    # scan.SCALAR_STATE_ROWS = 128 (off; session 37): the reverse scan with no gate or a scalar gate holds its state in
-    # register blocks of up to 128 rows. Against the float64 scan on outputs poisoned with NaN, every launch with
-    # those blocks (the split's combine keeps its own), and its chunk ranges give the bits of one launch
+def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV, with_state, num_segments, dvl,
+                                                            dtype, gate, rows, ahead, monkeypatch):
+    # Two loop forms of the reverse scan with no gate or a scalar gate (off; session 37): scan.SCALAR_STATE_ROWS = 128
+    # holds the state in register blocks of up to 128 rows; scan.QDO_AHEAD (no gate) forms each step's Qᵀ dO in the
+    # step before. Against the float64 scan on outputs poisoned with NaN, every launch in that form (the split's combine
+    # keeps its own blocks), and its chunk ranges give the bits of one launch (each range forms its first step's)
     from rewy_tune.kernels.triton import scan
 
-    monkeypatch.setattr(scan, "SCALAR_STATE_ROWS", 128)
+    monkeypatch.setattr(scan, "SCALAR_STATE_ROWS", rows)
+    monkeypatch.setattr(scan, "QDO_AHEAD", ahead)
     launched = []
     monkeypatch.setattr(scan, "rewy_bwd_scan_kernel", _Spy(scan.rewy_bwd_scan_kernel, launched, key="KB"))
+    ahead_seen = []
+    monkeypatch.setattr(scan, "rewy_bwd_scan_kernel",
+                        _Spy(scan.rewy_bwd_scan_kernel, ahead_seen, key="QDO_AHEAD"))
     s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=13)
     gen = torch.Generator().manual_seed(14)
     do = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype)
@@ -420,7 +426,8 @@ def test_reverse_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, 
     with poison_allocations():
         dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_segments=num_segments,
                                           **kw)
-    assert launched and set(launched) == {128}
+    # (QDO_AHEAD forms dO's products unscaled: DeltaNet's alone, a scalar gate scales dO's rows)
+    assert launched and set(launched) == {rows if K > 64 else 64} and set(ahead_seen) == {ahead and gate == "none"}
     ref_dvl = ref_dv_local(s["q"], s["k"], s["G"], do, scale, C) if dvl == "qk" else dv
     dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, ref_dvl, dht, scale, C)
     check(dS1, dr, dtype, "dS1 per chunk")
@@ -439,7 +446,7 @@ def test_reverse_state_blocks_of_128_rows_only_without_a_vector_gate(monkeypatch
     from rewy_tune.kernels.triton import scan
     from rewy_tune.kernels.triton.recompute import GATE_NONE, GATE_SCALAR, GATE_VECTOR
 
-    assert scan.SCALAR_STATE_ROWS == 64  # off by default: untimed on a GPU
+    assert scan.SCALAR_STATE_ROWS == 64 and not scan.QDO_AHEAD  # off by default: untimed on a GPU
     assert scan._reverse_state_blocks(128, scan._gate_code(GATE_SCALAR, False)) == (64, 2)
     monkeypatch.setattr(scan, "SCALAR_STATE_ROWS", 128)
     for gk, K, want in ((GATE_NONE, 128, (128, 1)), (GATE_SCALAR, 256, (128, 2)), (GATE_NONE, 64, (64, 1)),
