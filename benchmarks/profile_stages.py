@@ -57,6 +57,14 @@ FLAG_VARIANTS = {
     "rows128-s2": ({"scan.SCALAR_STATE_ROWS": 128}, {"reverse_scan": {"num_stages": 2}}),
     "qdo-ahead": ({"scan.QDO_AHEAD": True}, {}),
     "rows128-qdo-ahead": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True}, {}),
+    # (sm_90 loops: 8 warps 429 instructions a step and 7 CTA barriers, 16-wide tiles 435 and 5, against the 4-warp
+    # 32-wide 586 and 9; 2 stages leave room beside a scan CTA for the query-side stage's)
+    "rows128-qdo-ahead-w8": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True},
+                             {"reverse_scan": {"num_warps": 8}}),
+    "rows128-qdo-ahead-bv16": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True},
+                               {"reverse_scan": {"block_v": 16}}),
+    "rows128-qdo-ahead-s2": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True},
+                             {"reverse_scan": {"num_stages": 2}}),
 }
 
 

@@ -75,6 +75,8 @@ SCANS = [
     ("deltanet rows128 ahead BV32", "none", 32, 4, 3, "bf16", False, ROWS128_AHEAD),
     ("deltanet rows128 ahead BV16", "none", 16, 4, 3, "bf16", False, ROWS128_AHEAD),
     ("deltanet rows128 ahead BV32 s2", "none", 32, 4, 2, "bf16", False, ROWS128_AHEAD),
+    ("deltanet rows128 ahead BV32 w8", "none", 32, 8, 3, "bf16", False, ROWS128_AHEAD),
+    ("deltanet rows128 ahead BV16 w8", "none", 16, 8, 3, "bf16", False, ROWS128_AHEAD),
 ]
 COMBINE_WARPS = (1, 2, 4, 8)
 COMBINE_CASES = ((4, 4), (4, 8))  # (B·H, segments)
