@@ -1261,29 +1261,39 @@ def test_gpu_query_side_stage_race_beside(op, policy):
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 4), (1, 1000, 4)])
-@pytest.mark.parametrize("variant", ["transposed", "dv_local_in_scan"])
-def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
+@pytest.mark.parametrize("variant", ["transposed", "dv_local_in_scan", "step_forms"])
+def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy, monkeypatch):
     # "transposed": Schedule.reverse_scan_layout "vk" (session 35), 64-wide value tiles at 4 and 8 warps, 32-wide (no
     # wgmma there) at 4. "dv_local_in_scan": Schedule.dv_local_source "scan" (session 36), no dv_local stage, the
     # reverse scan's chunk steps form A_qk and dv_local, on each policy's default (DeltaNet A: the query-side stage)
-    # with its consumer ranges and split scans. The bf16 gate, with initial state and a tail at (1, 1000, 4), and
-    # run-twice bits
+    # with its consumer ranges and split scans. "step_forms": the module flags scan.SCALAR_STATE_ROWS 128 and
+    # scan.QDO_AHEAD (session 37, written without a GPU) on each policy's default, alone, together, and together at
+    # 8 warps. The bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
+    from rewy_tune.kernels.triton import scan
     from rewy_tune.search_spaces import default_schedule
 
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 3, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    default = default_schedule(torch.cuda.get_device_capability(), op=op, policy=policy)
     if variant == "transposed":
-        schedules = {f"vk BV {bv} {warps} warps": _gpu_default().replace(
-            reverse_scan_layout="vk", reverse_scan={"block_v": bv, "num_warps": warps})
+        schedules = {f"vk BV {bv} {warps} warps": (_gpu_default().replace(
+            reverse_scan_layout="vk", reverse_scan={"block_v": bv, "num_warps": warps}), {})
             for bv, warps in ((64, 4), (64, 8), (32, 4))}
+    elif variant == "dv_local_in_scan":
+        schedules = {"dv_local in the scan": (default.replace(dv_local_source="scan"), {})}
     else:
-        schedules = {"dv_local in the scan": default_schedule(torch.cuda.get_device_capability(), op=op,
-                                                              policy=policy).replace(dv_local_source="scan")}
-    for name, s in schedules.items():
-        out = run_triton(x, s, policy)
-        ctx = f"gpu {op} {B},{T},{H} {policy} {name}"
-        assert_bf16(out, ref, ctx)
-        assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
+        both = {"SCALAR_STATE_ROWS": 128, "QDO_AHEAD": True}
+        schedules = {"128-row state": (default, {"SCALAR_STATE_ROWS": 128}),
+                     "Qᵀ dO ahead": (default, {"QDO_AHEAD": True}), "both": (default, both),
+                     "both, 8 warps": (default.replace(reverse_scan={"num_warps": 8}), both)}
+    for name, (s, flags) in schedules.items():
+        with monkeypatch.context() as m:
+            for flag, value in flags.items():
+                m.setattr(scan, flag, value)
+            out = run_triton(x, s, policy)
+            ctx = f"gpu {op} {B},{T},{H} {policy} {name}"
+            assert_bf16(out, ref, ctx)
+            assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
 
 
 @pytest.mark.gpu
