@@ -18,7 +18,8 @@ launches that one backward of an operator makes with a given schedule:
                                        [--chase] [--flag MODULE.NAME=INT]
 
 --sass prints the named kernels' static SASS opcode counts (nvdisasm): spill loads/stores, barriers, tensor-core
-and global-memory instructions. With SASS_DUMP=DIR it also writes their SASS listings there (each instruction's
+and global-memory instructions; and what one pass of the longest loop (a scan's chunk step) issues: instructions,
+tensor-core ops, product waits, CTA barriers, MEMBARs, shared and global stores. With SASS_DUMP=DIR it also writes their SASS listings there (each instruction's
 source line included, which benchmarks/ncu_lines.py joins with ncu's per-instruction stall samples), with IR_DUMP=DIR
 their Triton GPU IR (.ttgir: the layouts each tl.dot was given) and PTX.
 
@@ -204,6 +205,9 @@ def print_sass(name: str, opts: dict, cubin: bytes, asm: dict | None = None) -> 
     """The opcode mix of one compiled kernel; with SASS_DUMP=DIR its whole listing (to read a loop body), and with
     IR_DUMP=DIR and the compiled kernel's asm its Triton GPU IR and PTX (to read how a product was lowered)."""
     print(f"{name} {opts}: {_instruction_mix(cubin)}")
+    loop = _longest_loop_mix(_cubin_tool("nvdisasm", "-c", cubin))
+    if loop:
+        print(f"   longest loop: {loop}")
     # -g: each instruction's source line (a `//## File "...", line N` comment), for benchmarks/ncu_lines.py
     _dump("SASS_DUMP", name, opts, "sass", lambda: _cubin_tool("nvdisasm", "-c -g", cubin))
     for ext in ("ttgir", "ptx") if asm is not None else ():
@@ -274,6 +278,34 @@ def _instruction_mix(cubin: bytes, top: int = int(os.environ.get("SASS_TOP", "24
     return f"{sum(ops.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
 
 
+def _longest_loop_mix(sass: str) -> str:
+    """What one pass of a kernel's longest loop (the span from a label to the furthest backward branch to it)
+    issues: instructions, tensor-core ops, product waits (WARPGROUP.DEPBAR), CTA barriers, MEMBARs (the fence before
+    each product that reads shared memory written from registers), shared-memory stores and global stores. The
+    scans' chunk step is that loop; "" where a kernel has none."""
+    import collections
+    import re
+
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*\.(L_x_\d+):", line))}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i and (best is None or i - labels[m.group(1)] > best[1] - best[0]):
+            best = (labels[m.group(1)], i)
+    if best is None:
+        return ""
+    ops = collections.Counter()
+    for line in lines[best[0]:best[1] + 1]:
+        m = re.search(SASS_OPCODE + r"(\.\w+)?", line)
+        if m:
+            ops[m.group(1)] += 1
+            ops["WAIT"] += m.group(1) == "WARPGROUP" and (m.group(2) or "") == ".DEPBAR"
+    total = sum(n for k, n in ops.items() if k != "WAIT")
+    return (f"{total} instructions; HGMMA {ops['HGMMA']}, product waits {ops['WAIT']}, BAR {ops['BAR']}, "
+            f"MEMBAR {ops['MEMBAR']}, STS {ops['STS'] + ops['STSM']}, STG {ops['STG']}")
+
+
 def _resource_usage(cubin: bytes) -> str:
     """Registers per thread and local memory (spill) bytes per thread of a compiled kernel, from the cubin
     (Triton's bundled cuobjdump): the register pressure that ncu shows on the GPU, readable without one."""
@@ -308,7 +340,7 @@ def main() -> None:
                          "product, or its SASS a product ptxas dropped (rewy_tune/ir_hazards.py; always reported)")
     ap.add_argument("--flag", action="append", default=None, metavar="MODULE.NAME=INT",
                     help="set a kernels/triton module flag while the launches are recorded (as profile_stages' flag "
-                         "variants), e.g. scan.SCALAR_STATE_ROWS=128")
+                         "variants), e.g. scan.STATE_BLOCK_ROWS=128")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()

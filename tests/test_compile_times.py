@@ -111,21 +111,45 @@ def test_forward_scan_stages_no_more_than_flas_kernel(tmp_path):
 
 
 def test_a_module_flag_reaches_the_recorded_launches(tmp_path):
-    # --flag sets a kernels/triton module flag while the launches are recorded: with scan.SCALAR_STATE_ROWS=128 the
+    # --flag sets a kernels/triton module flag while the launches are recorded: with scan.STATE_BLOCK_ROWS=128 the
     # DeltaNet A reverse scan at K = 128 holds its state in one block, so each chunk step waits for three tensor-core
-    # products instead of six (each wait one WARPGROUP.ARRIVE and one WARPGROUP.DEPBAR in the SASS)
+    # products instead of six (--sass's "longest loop" line: one WARPGROUP.DEPBAR per waited product)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), SASS_TOP="400")
-    counts = {}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    loops = {}
     for rows in (64, 128):
         out = subprocess.run([sys.executable, str(SCRIPT), "--op", "deltanet", "--policy", "A", "--kernels",
                               "rewy_bwd_scan", "--sass", "rewy_bwd_scan_kernel", "--flag",
-                              f"scan.SCALAR_STATE_ROWS={rows}"], capture_output=True, text=True, env=env, timeout=600)
+                              f"scan.STATE_BLOCK_ROWS={rows}"], capture_output=True, text=True, env=env, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         if "NO-CUOBJDUMP" in out.stdout or "regs" not in out.stdout:
             pytest.skip("this Triton wheel bundles no cuobjdump")
-        line = next(x for x in out.stdout.splitlines() if x.startswith("rewy_bwd_scan_kernel {"))
-        counts[rows] = _opcode_counts(line)
-    assert counts[64]["HGMMA"] == counts[128]["HGMMA"] == 24  # the same products (m64n32k16 each)
-    # an ARRIVE before and a DEPBAR after each waited product: six of them, then three (and one more ARRIVE)
-    assert counts[64]["WARPGROUP"] == 12 and counts[128]["WARPGROUP"] <= 7, (counts[64], counts[128])
+        line = next(x for x in out.stdout.splitlines() if x.strip().startswith("longest loop:"))
+        loops[rows] = _opcode_counts(line.replace("product waits", "WAITS"))
+    assert loops[64]["HGMMA"] == loops[128]["HGMMA"] == 24, loops  # the same products (m64n32k16 each)
+    assert (loops[64]["WAITS"], loops[128]["WAITS"]) == (6, 3), loops
+
+
+def test_longest_loop_mix_reads_one_pass_of_the_longest_loop():
+    # a label, a short loop inside it (backward branch to .L_x_1) and the long one (backward branch to .L_x_0)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compile_times", SCRIPT)
+    ct = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ct)
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_0:",
+        "        /*0010*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8].tnspB, R24 ;",
+        "        /*0020*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+        ".L_x_1:",
+        "        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+        "        /*0040*/              @P0  BRA `(.L_x_1) ;",
+        "        /*0050*/                   MEMBAR.ALL.CTA ;",
+        "        /*0060*/                   STSM.16.M88.4 [R2], R20 ;",
+        "        /*0070*/                   STG.E.128 desc[UR4][R2.64], R4 ;",
+        "        /*0080*/              @!P1 BRA `(.L_x_0) ;",
+        "        /*0090*/                   EXIT ;",
+    ])
+    assert ct._longest_loop_mix(sass) == ("8 instructions; HGMMA 1, product waits 1, BAR 1, MEMBAR 1, STS 1, STG 1")
+    assert ct._longest_loop_mix("        /*0000*/                   EXIT ;") == ""
