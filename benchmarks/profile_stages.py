@@ -48,22 +48,22 @@ FLAG_VARIANTS = {
     # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
-    # session 37 (untimed): the no-gate / scalar-gate reverse scan's state in one 128-row register block at K = 128,
+    # session 37 (untimed): the reverse scan's state (every gate form) in one 128-row register block at K = 128,
     # three products a chunk step instead of six; also with 16-wide value tiles (twice the programs) and 2 stages;
     # and DeltaNet's Qᵀ dO formed a step ahead (its wait deferred to the next step's first product), alone and with
     # the 128-row block (two waited products a step)
-    "rows128": ({"scan.SCALAR_STATE_ROWS": 128}, {}),
-    "rows128-bv16": ({"scan.SCALAR_STATE_ROWS": 128}, {"reverse_scan": {"block_v": 16}}),
-    "rows128-s2": ({"scan.SCALAR_STATE_ROWS": 128}, {"reverse_scan": {"num_stages": 2}}),
+    "rows128": ({"scan.STATE_BLOCK_ROWS": 128}, {}),
+    "rows128-bv16": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"block_v": 16}}),
+    "rows128-s2": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"num_stages": 2}}),
     "qdo-ahead": ({"scan.QDO_AHEAD": True}, {}),
-    "rows128-qdo-ahead": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True}, {}),
+    "rows128-qdo-ahead": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True}, {}),
     # (sm_90 loops: 8 warps 429 instructions a step and 7 CTA barriers, 16-wide tiles 435 and 5, against the 4-warp
     # 32-wide 586 and 9; 2 stages leave room beside a scan CTA for the query-side stage's)
-    "rows128-qdo-ahead-w8": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True},
+    "rows128-qdo-ahead-w8": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
                              {"reverse_scan": {"num_warps": 8}}),
-    "rows128-qdo-ahead-bv16": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True},
+    "rows128-qdo-ahead-bv16": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
                                {"reverse_scan": {"block_v": 16}}),
-    "rows128-qdo-ahead-s2": ({"scan.SCALAR_STATE_ROWS": 128, "scan.QDO_AHEAD": True},
+    "rows128-qdo-ahead-s2": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
                              {"reverse_scan": {"num_stages": 2}}),
 }
 

@@ -28,7 +28,7 @@ T = 2048
 HEADS = (4, 16)
 # (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, options]): options a tuple of (name, value),
 # ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state
-# (Schedule.reverse_scan_layout), ("rows", 128) for scan.SCALAR_STATE_ROWS 128 (one 128-row state block at K = 128),
+# (Schedule.reverse_scan_layout), ("rows", 128) for scan.STATE_BLOCK_ROWS 128 (one 128-row state block at K = 128),
 # ("ahead", True) for scan.QDO_AHEAD (DeltaNet's Qᵀ dO formed a step ahead).
 # The KDA/GDN2 policy-A default (session 32's, with fp32 states) first; session 33's first call timed these before
 # EARLY_GATE_ROW
@@ -70,6 +70,8 @@ SCANS = [
     ("deltanet rows128 BV16 bf16", "none", 16, 4, 3, "bf16", False, ROWS128),
     ("deltanet BV16 bf16", "none", 16, 4, 3, "bf16", False),
     ("gdn rows128 BV32 bf16", "gdn", 32, 4, 3, "bf16", False, ROWS128),
+    ("kda-A rows128 bf16 states", "kda", 64, 4, 3, "bf16", True, ROWS128),
+    ("kda-A rows128 BV32 bf16", "kda", 32, 4, 3, "bf16", True, ROWS128),
     # session 37: DeltaNet's Qᵀ dO formed a step ahead (scan.QDO_AHEAD), alone and with the 128-row block
     ("deltanet ahead BV32 bf16", "none", 32, 4, 3, "bf16", False, AHEAD),
     ("deltanet rows128 ahead BV32", "none", 32, 4, 3, "bf16", False, ROWS128_AHEAD),
@@ -115,7 +117,7 @@ def _scan_fn(cfg, x):
 
     def fn():  # (the flag is read at launch time)
         scan.EARLY_GATE_ROW = opts.get("early", True)
-        scan.SCALAR_STATE_ROWS = opts.get("rows", 64)
+        scan.STATE_BLOCK_ROWS = opts.get("rows", 64)
         scan.QDO_AHEAD = opts.get("ahead", False)
         return scan.reverse_state_scan(x["q"], x["k"], x["W"], x["G"], x["do"], dvl, x["dht"], aqk=aqk, **kw)
     return fn

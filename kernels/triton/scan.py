@@ -461,7 +461,7 @@ def rewy_bwd_scan_kernel(
     # QDO_AHEAD (no gate; scan.QDO_AHEAD): each step adds s·Qᵀ dO, whose products the step before formed for its chunk
     #          (b_x0 .. b_x3), and forms the next step's at its end from a zero accumulator and the loaded q and dO
     #          tiles: Triton then waits for them at the next step's first product, not before this one's −WᵀR̄.
-    # The state's K rows live in NB register blocks of KB rows (64, or 128: SCALAR_STATE_ROWS): b_d0 .. b_d3.
+    # The state's K rows live in NB register blocks of KB rows (64, or 128: STATE_BLOCK_ROWS): b_d0 .. b_d3.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     i_bh, i_b, i_h, i_s, cols, is_bias, p_in = _reverse_scan_program(SEG_OFFSET, H, NS, K, V, BV, CARRY, IN_CARRY)
@@ -843,13 +843,14 @@ def _state_blocks(K: int) -> tuple[int, int]:
     return KB, triton.cdiv(K, KB)
 
 
-# Rows per state register block of the reverse scan with no gate or a scalar gate ("kv" layout): 64 as FLA's
-# kernels hold it, or 128. At K = 128 one block makes each chunk step three tensor-core products (K_t dS, Q_gᵀ dO,
-# Wᵀ R̄, each m64 x k128 or m128 x k64) instead of six, each waited for and fenced once: sm_90, DeltaNet A default,
-# loop body 6 -> 3 product waits, MEMBAR and proxy fences, 498 -> 530 instructions, 104 -> 128 registers, no
-# hazards (`benchmarks/compile_times.py --flag scan.SCALAR_STATE_ROWS=128`). Untimed on a GPU (session 37 had
-# none): off until `scan_bench.py` and a sweep time it (profile variants "rows128*").
-SCALAR_STATE_ROWS = 64
+# Rows per state register block of the reverse scan ("kv" layout, every gate form): 64 as FLA's kernels hold it, or
+# 128. At K = 128 one block makes each chunk step three tensor-core products (K_t dS, Q_gᵀ dO, Wᵀ R̄, each m64 x k128
+# or m128 x k64) instead of six, each waited for and fenced once. sm_90 loop bodies
+# (`benchmarks/compile_times.py --flag scan.STATE_BLOCK_ROWS=128`), no hazards in any: DeltaNet A default 6 -> 3
+# product waits, MEMBARs and proxy fences, 498 -> 530 instructions, 104 -> 128 registers; KDA/GDN2 A 7 -> 4 waits
+# (212 -> 225 registers), R 6 -> 3. Untimed on a GPU (session 37 had none): off until `scan_bench.py` and a sweep
+# time it (profile variants "rows128*").
+STATE_BLOCK_ROWS = 64
 
 
 # The no-gate reverse scan (DeltaNet) forms each chunk step's Qᵀ dO products at the end of the step before, from a
@@ -862,12 +863,11 @@ SCALAR_STATE_ROWS = 64
 QDO_AHEAD = False
 
 
-def _reverse_state_blocks(K: int, gate_code: int) -> tuple[int, int]:
-    """(KB, NB) of the reverse scan kernel: `_state_blocks`, or blocks of up to SCALAR_STATE_ROWS rows with no gate
-    or a scalar gate (gate_code ≤ 1; a vector gate's per-row gate loads stay 64 wide)."""
+def _reverse_state_blocks(K: int) -> tuple[int, int]:
+    """(KB, NB) of the reverse scan kernel: `_state_blocks`, or blocks of up to STATE_BLOCK_ROWS rows."""
     KB, NB = _state_blocks(K)
-    if gate_code <= 1 and SCALAR_STATE_ROWS > KB and K > KB:
-        KB = min(SCALAR_STATE_ROWS, triton.next_power_of_2(K))
+    if STATE_BLOCK_ROWS > KB and K > KB:
+        KB = min(STATE_BLOCK_ROWS, triton.next_power_of_2(K))
         NB = triton.cdiv(K, KB)
     return KB, NB
 
@@ -1257,7 +1257,7 @@ def reverse_state_scan_ranges(
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
-    KB, NB = _reverse_state_blocks(K, code)
+    KB, NB = _reverse_state_blocks(K)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
                   PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=QDO_AHEAD and code == 0,

@@ -526,6 +526,35 @@ def test_scans_side_by_side_split_on_half_the_sms(mode, waves, limit, monkeypatc
     assert limits == {"forward_state_scan": limit, "reverse_state_scan": limit}
 
 
+@pytest.mark.parametrize("rows,ahead", [(128, False), (64, True), (128, True)])
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, monkeypatch):
+    # scan.STATE_BLOCK_ROWS 128 and scan.QDO_AHEAD (off; session 37) at K = V = 128, where they change the launches:
+    # the H200 default (DeltaNet A: the query-side stage beside the scan) with a tail, initial state and zero β on half
+    # the sequence, against the oracle; every reverse scan launch in that form (QDO_AHEAD: no gate only)
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.search_spaces import default_schedule
+
+    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", rows)
+    monkeypatch.setattr(scan, "QDO_AHEAD", ahead)
+    seen = set()
+    real = scan.rewy_bwd_scan_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.add((kw["KB"], kw["QDO_AHEAD"]))
+                return real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(scan, "rewy_bwd_scan_kernel", Spy())
+    x = make_inputs(op, 1, 100, 2, 128, 128, seed=37, beta_zero=True)
+    sched = default_schedule((9, 0), op=op, policy=policy).replace(chunk_size=32)
+    out = run_triton(x, sched, policy)
+    assert seen == {(rows, ahead and op == "deltanet")}
+    assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} rows {rows} ahead {ahead}")
+
+
 @pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
 @pytest.mark.parametrize("dht", [False, True])
 def test_reverse_scan_in_ranges_gives_the_scans_bits(gate, dht):
@@ -1266,7 +1295,7 @@ def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy, monkeypatch):
     # "transposed": Schedule.reverse_scan_layout "vk" (session 35), 64-wide value tiles at 4 and 8 warps, 32-wide (no
     # wgmma there) at 4. "dv_local_in_scan": Schedule.dv_local_source "scan" (session 36), no dv_local stage, the
     # reverse scan's chunk steps form A_qk and dv_local, on each policy's default (DeltaNet A: the query-side stage)
-    # with its consumer ranges and split scans. "step_forms": the module flags scan.SCALAR_STATE_ROWS 128 and
+    # with its consumer ranges and split scans. "step_forms": the module flags scan.STATE_BLOCK_ROWS 128 and
     # scan.QDO_AHEAD (session 37, written without a GPU) on each policy's default, alone, together, and together at
     # 8 warps. The bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
     from rewy_tune.kernels.triton import scan
@@ -1282,8 +1311,8 @@ def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy, monkeypatch):
     elif variant == "dv_local_in_scan":
         schedules = {"dv_local in the scan": (default.replace(dv_local_source="scan"), {})}
     else:
-        both = {"SCALAR_STATE_ROWS": 128, "QDO_AHEAD": True}
-        schedules = {"128-row state": (default, {"SCALAR_STATE_ROWS": 128}),
+        both = {"STATE_BLOCK_ROWS": 128, "QDO_AHEAD": True}
+        schedules = {"128-row state": (default, {"STATE_BLOCK_ROWS": 128}),
                      "Qᵀ dO ahead": (default, {"QDO_AHEAD": True}), "both": (default, both),
                      "both, 8 warps": (default.replace(reverse_scan={"num_warps": 8}), both)}
     for name, (s, flags) in schedules.items():

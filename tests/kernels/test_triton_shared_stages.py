@@ -392,7 +392,7 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
 
 
 @pytest.mark.parametrize("rows,ahead", [(128, False), (64, True), (128, True)])
-@pytest.mark.parametrize("gate", ["none", "scalar"])
+@pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
 @pytest.mark.parametrize("B,T,H,K,V,C,BV,with_state,num_segments,dvl,dtype", [
     (1, 130, 2, 128, 48, 32, 16, True, 1, "read", torch.float32),  # one 128-row block, a tail, V not a multiple of BV
     (2, 128, 1, 128, 64, 16, 32, False, 2, "read", torch.float32),  # split: the transfer pass in 128-row blocks
@@ -402,13 +402,15 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
 ])
 def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV, with_state, num_segments, dvl,
                                                             dtype, gate, rows, ahead, monkeypatch):
-    # Two loop forms of the reverse scan with no gate or a scalar gate (off; session 37): scan.SCALAR_STATE_ROWS = 128
-    # holds the state in register blocks of up to 128 rows; scan.QDO_AHEAD (no gate) forms each step's Qᵀ dO in the
-    # step before. Against the float64 scan on outputs poisoned with NaN, every launch in that form (the split's combine
+    # Two loop forms of the reverse scan (off; session 37): scan.STATE_BLOCK_ROWS = 128 holds the state in register
+    # blocks of up to 128 rows (every gate form); scan.QDO_AHEAD (no gate) forms each step's Qᵀ dO in the step
+    # before. Against the float64 scan on outputs poisoned with NaN, every launch in that form (the split's combine
     # keeps its own blocks), and its chunk ranges give the bits of one launch (each range forms its first step's)
     from rewy_tune.kernels.triton import scan
 
-    monkeypatch.setattr(scan, "SCALAR_STATE_ROWS", rows)
+    if dvl == "qk" and gate == "vector":
+        pytest.skip("dv_local_from_qk forms A_qk with no gate or a scalar gate only")
+    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", rows)
     monkeypatch.setattr(scan, "QDO_AHEAD", ahead)
     launched = []
     monkeypatch.setattr(scan, "rewy_bwd_scan_kernel", _Spy(scan.rewy_bwd_scan_kernel, launched, key="KB"))
@@ -441,17 +443,15 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
         assert torch.equal(a, b), name
 
 
-def test_reverse_state_blocks_of_128_rows_only_without_a_vector_gate(monkeypatch):
-    # the vector gates' scans keep 64-row blocks (their per-row gate loads); the combine keeps its own either way
+def test_reverse_state_blocks_of_up_to_128_rows(monkeypatch):
+    # STATE_BLOCK_ROWS sets the reverse scan's register blocks (every gate form) up to K; the combine keeps its own
     from rewy_tune.kernels.triton import scan
-    from rewy_tune.kernels.triton.recompute import GATE_NONE, GATE_SCALAR, GATE_VECTOR
 
-    assert scan.SCALAR_STATE_ROWS == 64 and not scan.QDO_AHEAD  # off by default: untimed on a GPU
-    assert scan._reverse_state_blocks(128, scan._gate_code(GATE_SCALAR, False)) == (64, 2)
-    monkeypatch.setattr(scan, "SCALAR_STATE_ROWS", 128)
-    for gk, K, want in ((GATE_NONE, 128, (128, 1)), (GATE_SCALAR, 256, (128, 2)), (GATE_NONE, 64, (64, 1)),
-                        (GATE_NONE, 96, (128, 1)), (GATE_VECTOR, 128, (64, 2))):
-        assert scan._reverse_state_blocks(K, scan._gate_code(gk, False)) == want, (gk, K)
+    assert scan.STATE_BLOCK_ROWS == 64 and not scan.QDO_AHEAD  # off by default: untimed on a GPU
+    assert scan._reverse_state_blocks(128) == (64, 2)
+    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
+    for K, want in ((128, (128, 1)), (256, (128, 2)), (64, (64, 1)), (96, (128, 1)), (32, (32, 1))):
+        assert scan._reverse_state_blocks(K) == want, K
     assert scan._combine_blocks(128) == {"KB": 64, "NB": 2}
 
 
