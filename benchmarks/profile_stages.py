@@ -55,6 +55,7 @@ FLAG_VARIANTS = {
     "rows128": ({"scan.STATE_BLOCK_ROWS": 128}, {}),
     "rows128-bv16": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"block_v": 16}}),
     "rows128-s2": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"num_stages": 2}}),
+    "rows128-w8": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"num_warps": 8}}),
     "qdo-ahead": ({"scan.QDO_AHEAD": True}, {}),
     "rows128-qdo-ahead": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True}, {}),
     # (sm_90 loops: 8 warps 429 instructions a step and 7 CTA barriers, 16-wide tiles 435 and 5, against the 4-warp

@@ -68,6 +68,8 @@ SCANS = [
     ("deltanet rows128 BV32 s2", "none", 32, 4, 2, "bf16", False, ROWS128),
     ("deltanet rows128 BV64 bf16", "none", 64, 4, 3, "bf16", False, ROWS128),
     ("deltanet rows128 BV16 bf16", "none", 16, 4, 3, "bf16", False, ROWS128),
+    ("deltanet rows128 BV32 w8", "none", 32, 8, 3, "bf16", False, ROWS128),
+    ("deltanet rows128 BV16 w8", "none", 16, 8, 3, "bf16", False, ROWS128),
     ("deltanet BV16 bf16", "none", 16, 4, 3, "bf16", False),
     ("gdn rows128 BV32 bf16", "gdn", 32, 4, 3, "bf16", False, ROWS128),
     ("kda-A rows128 bf16 states", "kda", 64, 4, 3, "bf16", True, ROWS128),
