@@ -170,7 +170,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--jobs", type=int, default=14)
     p.add_argument("--only", default=None, metavar="WORDS",
-                   help="comma-separated words: only the configurations whose name contains one (FLA's rows stay)")
+                   help="comma-separated words: only the configurations whose name contains one, an underscore "
+                        "standing for a space (e.g. rows128,kda-A_bf16_states); FLA's rows stay")
     p.add_argument("--heads", type=int, nargs="+", default=list(HEADS), help="the B·H values (default: 4 16)")
     p.add_argument("--no-combine", action="store_true", help="skip the segment combine's timings")
     args = p.parse_args()
@@ -179,7 +180,7 @@ def main() -> None:
     from rewy_tune import fla_baseline, measure
 
     fla_baseline.autotune_here()
-    words = args.only.split(",") if args.only else None
+    words = [w.replace("_", " ") for w in args.only.split(",")] if args.only else None
     scans = [c for c in SCANS if words is None or any(w in c[0] for w in words)]
     combines = () if args.no_combine else COMBINE_CASES
     jobs = [("scan", c) for c in scans] + [("combine", (w, bh, ns)) for w in COMBINE_WARPS for bh, ns in combines]
