@@ -240,18 +240,33 @@ def _bwd_state_update(b_ds, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, 
 
 
 @triton.jit
-def _do_tile(do, tok, m_row, cols, m_col, V: tl.constexpr):
-    # dO's [BT, BV] tile as stored: a product operand straight from its (pipelined) shared-memory copy
-    return tl.load(do + tok[:, None] * V + cols[None, :], mask=m_row[:, None] & m_col[None, :], other=0.0)
-
-
-@triton.jit
 def _q_do_block(q, tok, m_row, b_dod, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr):
     # Q[:, block]ᵀ b_dod [KB, BV] from a zero accumulator, Qᵀ loaded transposed
     o_k = i_kb * KB + tl.arange(0, KB)
     m_k = o_k < K
     b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
     return _mma(b_qt, b_dod, tl.zeros([KB, b_dod.shape[1]], dtype=tl.float32), PREC)
+
+
+@triton.jit
+def _q_do_ahead(q, do, i_t, c0, i_b, i_h, T, H, cols, m_col, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                KB: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr):
+    # QDO_AHEAD: Qᵀ dO of chunk i_t per state block (none where i_t is before the range's first chunk c0); blocks past
+    # NB repeat the first and are never read
+    m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
+    m_row = m_row & (i_t >= c0)
+    # dO as stored: a product operand straight from its pipelined shared-memory copy (a tile scaled in registers
+    # would be staged again, and Triton 3.6 would wait for its product at once)
+    b_do = tl.load(do + tok[:, None] * V + cols[None, :], mask=m_row[:, None] & m_col[None, :], other=0.0)
+    b0 = _q_do_block(q, tok, m_row, b_do, 0, K, KB, PREC)
+    b1, b2, b3 = b0, b0, b0
+    if NB > 1:
+        b1 = _q_do_block(q, tok, m_row, b_do, 1, K, KB, PREC)
+    if NB > 2:
+        b2 = _q_do_block(q, tok, m_row, b_do, 2, K, KB, PREC)
+    if NB > 3:
+        b3 = _q_do_block(q, tok, m_row, b_do, 3, K, KB, PREC)
+    return b0, b1, b2, b3
 
 
 @triton.jit
@@ -478,16 +493,8 @@ def rewy_bwd_scan_kernel(
     c1 = tl.minimum(c0 + CPS, NT)
     o_t = tl.arange(0, BT)
     if QDO_AHEAD:  # the first step's Qᵀ dO (the range's last chunk)
-        m_row, tok = _reverse_chunk_rows(c1 - 1, i_b, i_h, T, H, BT)
-        m_row = m_row & (c1 - 1 >= c0)
-        b_dod = _do_tile(do, tok, m_row, cols, is_bias, V)
-        b_x0 = _q_do_block(q, tok, m_row, b_dod, 0, K, KB, PREC)
-        if NB > 1:
-            b_x1 = _q_do_block(q, tok, m_row, b_dod, 1, K, KB, PREC)
-        if NB > 2:
-            b_x2 = _q_do_block(q, tok, m_row, b_dod, 2, K, KB, PREC)
-        if NB > 3:
-            b_x3 = _q_do_block(q, tok, m_row, b_dod, 3, K, KB, PREC)
+        b_x0, b_x1, b_x2, b_x3 = _q_do_ahead(q, do, c1 - 1, c0, i_b, i_h, T, H, cols, is_bias, K, V, BT, KB, NB,
+                                             PREC)
     for i_r in range(0, c1 - c0):
         i_t = c1 - 1 - i_r
         m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
@@ -557,16 +564,8 @@ def rewy_bwd_scan_kernel(
             if NB > 3:
                 b_d3 = _w_state_update(b_d3 + b_x3 * scale, W, tok, m_row, b_nrb, 3, K, KB, PREC)
             # the next step's (chunk i_t − 1, none past the range's first)
-            m_row, tok = _reverse_chunk_rows(i_t - 1, i_b, i_h, T, H, BT)
-            m_row = m_row & (i_t - 1 >= c0)
-            b_dod = _do_tile(do, tok, m_row, cols, is_bias, V)
-            b_x0 = _q_do_block(q, tok, m_row, b_dod, 0, K, KB, PREC)
-            if NB > 1:
-                b_x1 = _q_do_block(q, tok, m_row, b_dod, 1, K, KB, PREC)
-            if NB > 2:
-                b_x2 = _q_do_block(q, tok, m_row, b_dod, 2, K, KB, PREC)
-            if NB > 3:
-                b_x3 = _q_do_block(q, tok, m_row, b_dod, 3, K, KB, PREC)
+            b_x0, b_x1, b_x2, b_x3 = _q_do_ahead(q, do, i_t - 1, c0, i_b, i_h, T, H, cols, is_bias, K, V, BT, KB,
+                                                 NB, PREC)
         else:
             b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn0, scale, 0, K,
                                      KB, GATE, PREC, G_LOG2, EARLY_GN)
