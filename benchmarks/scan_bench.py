@@ -29,7 +29,8 @@ HEADS = (4, 16)
 # (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, options]): options a tuple of (name, value),
 # ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state
 # (Schedule.reverse_scan_layout), ("rows", 128) for scan.STATE_BLOCK_ROWS 128 (one 128-row state block at K = 128),
-# ("ahead", True) for scan.QDO_AHEAD (DeltaNet's Qᵀ dO formed a step ahead).
+# ("ahead", True) for scan.QDO_AHEAD (DeltaNet's Qᵀ dO formed a step ahead), ("qk", True) for dv_local formed in the
+# scan from q and k (dv_local_from_qk).
 # The KDA/GDN2 policy-A default (session 32's, with fp32 states) first; session 33's first call timed these before
 # EARLY_GATE_ROW
 LATE = (("early", False),)
@@ -37,6 +38,7 @@ VK = (("layout", "vk"),)
 ROWS128 = (("rows", 128),)
 AHEAD = (("ahead", True),)
 ROWS128_AHEAD = (("rows", 128), ("ahead", True))
+QK = (("qk", True),)  # dv_local formed in the scan from q and k (Schedule.dv_local_source "scan"; no gate, scalar)
 SCANS = [
     ("kda-A default", "kda", 64, 4, 3, "fp32", True),
     ("kda-A late G_n", "kda", 64, 4, 3, "fp32", True, LATE),
@@ -81,6 +83,11 @@ SCANS = [
     ("deltanet rows128 ahead BV32 s2", "none", 32, 4, 2, "bf16", False, ROWS128_AHEAD),
     ("deltanet rows128 ahead BV32 w8", "none", 32, 8, 3, "bf16", False, ROWS128_AHEAD),
     ("deltanet rows128 ahead BV16 w8", "none", 16, 8, 3, "bf16", False, ROWS128_AHEAD),
+    # dv_local formed in the scan (no dv_local stage before it): as session 36 timed it, and a step ahead (its
+    # products waited for at the step's end; 3 stages of its tiles exceed the H200's shared memory)
+    ("deltanet qk BV32", "none", 32, 4, 3, "bf16", False, QK),
+    ("deltanet qk rows128 ahead BV32 s2", "none", 32, 4, 2, "bf16", False, QK + ROWS128_AHEAD),
+    ("deltanet qk rows128 ahead BV16 s2", "none", 16, 4, 2, "bf16", False, QK + ROWS128_AHEAD),
 ]
 COMBINE_WARPS = (1, 2, 4, 8)
 COMBINE_CASES = ((4, 4), (4, 8))  # (B·H, segments)
@@ -112,10 +119,10 @@ def _scan_fn(cfg, x):
     opts = dict(opts[0]) if opts else {}
     kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=BV, num_warps=warps, num_stages=stages,
               state_dtype=torch.float32 if state == "fp32" else torch.bfloat16, num_segments=1,
-              layout=opts.get("layout", "kv"))
+              layout=opts.get("layout", "kv"), dv_local_from_qk=opts.get("qk", False))
     if gate == "kda":
         kw.update(pregated=True, q_scaled=False, gate_log2=True)
-    dvl, aqk = (None, x["aqk"]) if in_scan else (x["dvl"], None)
+    dvl, aqk = (None, x["aqk"]) if in_scan else (None, None) if kw["dv_local_from_qk"] else (x["dvl"], None)
 
     def fn():  # (the flag is read at launch time)
         scan.EARLY_GATE_ROW = opts.get("early", True)

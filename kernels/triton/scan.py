@@ -249,24 +249,28 @@ def _q_do_block(q, tok, m_row, b_dod, i_kb: tl.constexpr, K: tl.constexpr, KB: t
 
 
 @triton.jit
-def _q_do_ahead(q, do, i_t, c0, i_b, i_h, T, H, cols, m_col, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                KB: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr):
-    # QDO_AHEAD: Qᵀ dO of chunk i_t per state block (none where i_t is before the range's first chunk c0); blocks past
-    # NB repeat the first and are never read
+def _q_do_ahead(q, k, do, i_t, c0, i_b, i_h, T, H, cols, m_col, scale, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, HAS_DVL: tl.constexpr, PREC: tl.constexpr):
+    # QDO_AHEAD: Qᵀ dO of chunk i_t per state block (none where i_t is before the range's first chunk c0), blocks past
+    # NB repeating the first (never read), and with HAS_DVL 3 its dv_local = A_qkᵀ dO (else the first block stands in)
     m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
     m_row = m_row & (i_t >= c0)
     # dO as stored: a product operand straight from its pipelined shared-memory copy (a tile scaled in registers
     # would be staged again, and Triton 3.6 would wait for its product at once)
     b_do = tl.load(do + tok[:, None] * V + cols[None, :], mask=m_row[:, None] & m_col[None, :], other=0.0)
     b0 = _q_do_block(q, tok, m_row, b_do, 0, K, KB, PREC)
-    b1, b2, b3 = b0, b0, b0
+    b1, b2, b3, b_dvl = b0, b0, b0, b0
     if NB > 1:
         b1 = _q_do_block(q, tok, m_row, b_do, 1, K, KB, PREC)
     if NB > 2:
         b2 = _q_do_block(q, tok, m_row, b_do, 2, K, KB, PREC)
     if NB > 3:
         b3 = _q_do_block(q, tok, m_row, b_do, 3, K, KB, PREC)
-    return b0, b1, b2, b3
+    if HAS_DVL == 3:  # K Qᵀ is waited for (its mask is applied in registers); A_qkᵀ dO takes it as a register operand
+        b_at = _kq_product(q, k, tok, m_row, BT, K, KB, NB, PREC)  # (Qᵀ: the tile the products above load)
+        b_at = _aqk_from_kq(b_at, q, tok, m_row, tl.arange(0, BT), scale, 0, do.dtype.element_ty)  # (no gate: G
+        b_dvl = _mma(b_at, b_do, tl.zeros([BT, b_do.shape[1]], dtype=tl.float32), PREC)  # unread, q stands in)
+    return b0, b1, b2, b3, b_dvl
 
 
 @triton.jit
@@ -421,25 +425,38 @@ def _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT: tl.constexpr):
 
 
 @triton.jit
-def _qk_transposed(q, k, G, tok, m_row, o_t, scale, K: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
-                   GATE: tl.constexpr, PREC: tl.constexpr):
-    # A_qkᵀ[j, i] = s Σ_f k_jf q_if Λ_ij for i ≥ j (Λ_ij = exp(G_i − G_j), 1 without a gate), [BT, BT] in k's
-    # dtype: K Qᵀ over the state's NB blocks of KB features, Qᵀ loaded transposed (no tl.trans of a product), masked
-    # before exponentiating, as `local.rewy_bwd_kernel_dv_local` forms it
-    b_at = tl.zeros([o_t.shape[0], o_t.shape[0]], dtype=tl.float32)
+def _kq_product(q, k, tok, m_row, BT: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
+                PREC: tl.constexpr):
+    # K Qᵀ [BT, BT] in fp32 over the state's NB blocks of KB features, Qᵀ loaded transposed (no tl.trans of a product)
+    b_at = tl.zeros([BT, BT], dtype=tl.float32)
     for i_kb in tl.static_range(NB):
         o_k = i_kb * KB + tl.arange(0, KB)
         m_k = o_k < K
         b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
         b_qt = tl.load(q + tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_row[None, :], other=0.0)
         b_at = _mma(b_k, b_qt, b_at, PREC)
+    return b_at
+
+
+@triton.jit
+def _aqk_from_kq(b_at, G, tok, m_row, o_t, scale, GATE: tl.constexpr, dt: tl.constexpr):
+    # A_qkᵀ[j, i] = s Σ_f k_jf q_if Λ_ij for i ≥ j (Λ_ij = exp(G_i − G_j), 1 without a gate), in dt, from K Qᵀ: masked
+    # before exponentiating, as `local.rewy_bwd_kernel_dv_local` forms it
     m_at = (o_t[:, None] <= o_t[None, :]) & m_row[:, None] & m_row[None, :]
     if GATE == 1:
         b_g = tl.load(G + tok, mask=m_row, other=0.0).to(tl.float32)
         b_at = tl.where(m_at, b_at * tl.exp(tl.where(m_at, b_g[None, :] - b_g[:, None], 0.0)) * scale, 0.0)
     else:
         b_at = tl.where(m_at, b_at * scale, 0.0)
-    return b_at.to(k.dtype.element_ty)
+    return b_at.to(dt)
+
+
+@triton.jit
+def _qk_transposed(q, k, G, tok, m_row, o_t, scale, K: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
+                   GATE: tl.constexpr, PREC: tl.constexpr):
+    # A_qkᵀ [BT, BT] in k's dtype (HAS_DVL 3)
+    b_at = _kq_product(q, k, tok, m_row, o_t.shape[0], K, KB, NB, PREC)
+    return _aqk_from_kq(b_at, G, tok, m_row, o_t, scale, GATE, k.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "CPS", "SEG_OFFSET", "H"])
@@ -475,7 +492,9 @@ def rewy_bwd_scan_kernel(
     #          still needs.
     # QDO_AHEAD (no gate; scan.QDO_AHEAD): each step adds s·Qᵀ dO, whose products the step before formed for its chunk
     #          (b_x0 .. b_x3), and forms the next step's at its end from a zero accumulator and the loaded q and dO
-    #          tiles: Triton then waits for them at the next step's first product, not before this one's −WᵀR̄.
+    #          tiles: Triton then waits for them at the next step's first product, not before this one's −WᵀR̄. With
+    #          HAS_DVL 3 the same for dv_local (b_dvl, from A_qk as a register operand; its K Qᵀ is waited for at the
+    #          step's end, off the state's chain: formed a step earlier still, the tiles held for it took 300 KB).
     # The state's K rows live in NB register blocks of KB rows (64, or 128: STATE_BLOCK_ROWS): b_d0 .. b_d3.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -492,9 +511,9 @@ def rewy_bwd_scan_kernel(
     c0 = i_s * CPS
     c1 = tl.minimum(c0 + CPS, NT)
     o_t = tl.arange(0, BT)
-    if QDO_AHEAD:  # the first step's Qᵀ dO (the range's last chunk)
-        b_x0, b_x1, b_x2, b_x3 = _q_do_ahead(q, do, c1 - 1, c0, i_b, i_h, T, H, cols, is_bias, K, V, BT, KB, NB,
-                                             PREC)
+    if QDO_AHEAD:  # the first step's Qᵀ dO (the range's last chunk), and with HAS_DVL 3 its dv_local
+        b_x0, b_x1, b_x2, b_x3, b_dvl = _q_do_ahead(q, k, do, c1 - 1, c0, i_b, i_h, T, H, cols, is_bias, scale, K, V,
+                                                    BT, KB, NB, HAS_DVL, PREC)
     for i_r in range(0, c1 - c0):
         i_t = c1 - 1 - i_r
         m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
@@ -512,8 +531,8 @@ def rewy_bwd_scan_kernel(
             if NB > 3:
                 _state_block_store(p_d, b_d3, cols, is_bias, V, 3, K, KB)
         m_rv = m_row[:, None] & is_bias[None, :]
-        if HAS_DVL == 3:  # A_qkᵀ first: it reads no state, so its products need not wait for the chain's
-            b_at = _qk_transposed(q, k, G, tok, m_row, o_t, scale, K, KB, NB, GATE, PREC)
+        if HAS_DVL == 3 and not QDO_AHEAD:  # A_qkᵀ first: it reads no state, so its products need not wait for the
+            b_at = _qk_transposed(q, k, G, tok, m_row, o_t, scale, K, KB, NB, GATE, PREC)  # chain's
         # G_n per state block (EARLY_GN), issued before the products, whose time then hides the loads' latency
         b_gn0, b_gn1, b_gn2, b_gn3 = _early_gate_rows(G, tok_last, K, KB, NB, GATE, EARLY_GN)
         # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
@@ -551,7 +570,10 @@ def rewy_bwd_scan_kernel(
             b_a = tl.where(o_t[None, :] <= o_t[:, None], b_a, 0.0).to(b_a.dtype)
             b_rb = _mma(tl.trans(b_a), b_do, b_rb, PREC)
         elif HAS_DVL == 3:
-            b_rb = _mma(b_at, b_do.to(dt), b_rb, PREC)
+            if QDO_AHEAD:  # formed in the step before
+                b_rb += b_dvl
+            else:
+                b_rb = _mma(b_at, b_do.to(dt), b_rb, PREC)
         if PHASE == 0:
             tl.store(Rbar + tok[:, None] * V + cols[None, :], b_rb.to(Rbar.dtype.element_ty), mask=m_rv)
         b_nrb = (-b_rb).to(dt)
@@ -564,8 +586,8 @@ def rewy_bwd_scan_kernel(
             if NB > 3:
                 b_d3 = _w_state_update(b_d3 + b_x3 * scale, W, tok, m_row, b_nrb, 3, K, KB, PREC)
             # the next step's (chunk i_t − 1, none past the range's first)
-            b_x0, b_x1, b_x2, b_x3 = _q_do_ahead(q, do, i_t - 1, c0, i_b, i_h, T, H, cols, is_bias, K, V, BT, KB,
-                                                 NB, PREC)
+            b_x0, b_x1, b_x2, b_x3, b_dvl = _q_do_ahead(q, k, do, i_t - 1, c0, i_b, i_h, T, H, cols, is_bias, scale,
+                                                        K, V, BT, KB, NB, HAS_DVL, PREC)
         else:
             b_d0 = _bwd_state_update(b_d0, q, W, G, tok, tok_last, m_row, b_dod, b_nrb, b_egl, b_gn0, scale, 0, K,
                                      KB, GATE, PREC, G_LOG2, EARLY_GN)

@@ -526,13 +526,15 @@ def test_scans_side_by_side_split_on_half_the_sms(mode, waves, limit, monkeypatc
     assert limits == {"forward_state_scan": limit, "reverse_state_scan": limit}
 
 
+@pytest.mark.parametrize("dvl", ["recompute", "scan"])
 @pytest.mark.parametrize("rows,ahead", [(128, False), (64, True), (128, True)])
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
-def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, monkeypatch):
+def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, dvl, monkeypatch):
     # scan.STATE_BLOCK_ROWS 128 and scan.QDO_AHEAD (off; session 37) at K = V = 128, where they change the launches:
-    # the H200 default (DeltaNet A: the query-side stage beside the scan) with a tail, initial state and zero β on half
-    # the sequence, against the oracle; every reverse scan launch in that form (QDO_AHEAD: no gate only)
+    # the H200 default (DeltaNet A: the query-side stage beside the scan), also with dv_local formed in the scan
+    # (dv_local_source "scan", with QDO_AHEAD a step ahead too), with a tail, initial state and zero β on half the
+    # sequence, against the oracle; every reverse scan launch in that form (QDO_AHEAD: no gate only)
     from rewy_tune.kernels.triton import scan
     from rewy_tune.search_spaces import default_schedule
 
@@ -549,7 +551,7 @@ def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, mo
             return launch
     monkeypatch.setattr(scan, "rewy_bwd_scan_kernel", Spy())
     x = make_inputs(op, 1, 100, 2, 128, 128, seed=37, beta_zero=True)
-    sched = default_schedule((9, 0), op=op, policy=policy).replace(chunk_size=32)
+    sched = default_schedule((9, 0), op=op, policy=policy).replace(chunk_size=32, dv_local_source=dvl)
     out = run_triton(x, sched, policy)
     assert seen == {(rows, ahead and op == "deltanet")}
     assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} rows {rows} ahead {ahead}")
