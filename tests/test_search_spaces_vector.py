@@ -678,7 +678,7 @@ out = []
 for BV, warps, stages in json.loads(sys.argv[1]):
     consts = dict(dh_in=None, dh0=None, carry=None, progress=None, K=128, V=128, VP=128, NS=2, BT=64, KB=64, NB=2,
                   BV=BV, GATE=2, PHASE=1, USE_DH_IN=False, HAS_DVL=1, STORE_DH0=False, PREC="tf32", CARRY=False,
-                  G_LOG2=False, IN_CARRY=False, PUBLISH=False, PDL=False)
+                  G_LOG2=False, IN_CARRY=False, PUBLISH=False, PDL=False, QDO_AHEAD=False)
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
