@@ -864,13 +864,14 @@ def _state_blocks(K: int) -> tuple[int, int]:
     return KB, triton.cdiv(K, KB)
 
 
-# Rows per state register block of the reverse scan ("kv" layout, every gate form): 64 as FLA's kernels hold it, or
-# 128. At K = 128 one block makes each chunk step three tensor-core products (K_t dS, Q_gᵀ dO, Wᵀ R̄, each m64 x k128
-# or m128 x k64) instead of six, each waited for and fenced once. sm_90 loop bodies
-# (`benchmarks/compile_times.py --flag scan.STATE_BLOCK_ROWS=128`), no hazards in any: DeltaNet A default 6 -> 3
-# product waits, MEMBARs and proxy fences, 498 -> 530 instructions, 104 -> 128 registers; KDA/GDN2 A 7 -> 4 waits
-# (212 -> 225 registers), R 6 -> 3. Untimed on a GPU (session 37 had none): off until `scan_bench.py` and a sweep
-# time it (profile variants "rows128*").
+# Rows per state register block of both scans ("kv" layout, every gate form): 64 as FLA's kernels hold it, or 128.
+# At K = 128 one block makes each reverse chunk step three tensor-core products (K_t dS, Q_gᵀ dO, Wᵀ R̄, each
+# m64 x k128 or m128 x k64) instead of six, each waited for and fenced once, and each forward step two (W S, K_tᵀ R)
+# instead of four. sm_90 loop bodies (`benchmarks/compile_times.py --flag scan.STATE_BLOCK_ROWS=128`), no hazards in
+# any: DeltaNet A's reverse scan 6 -> 3 product waits, MEMBARs and proxy fences, 498 -> 530 instructions, 104 -> 128
+# registers; KDA/GDN2 A 7 -> 4 waits (212 -> 225 registers), R 6 -> 3; the forward scans under R 4 -> 2 (DeltaNet 362
+# -> 360 instructions). Untimed on a GPU (session 37 had none): off until `scan_bench.py` and a sweep time it
+# (profile variants "rows128*").
 STATE_BLOCK_ROWS = 64
 
 
@@ -884,8 +885,9 @@ STATE_BLOCK_ROWS = 64
 QDO_AHEAD = False
 
 
-def _reverse_state_blocks(K: int) -> tuple[int, int]:
-    """(KB, NB) of the reverse scan kernel: `_state_blocks`, or blocks of up to STATE_BLOCK_ROWS rows."""
+def _scan_state_blocks(K: int) -> tuple[int, int]:
+    """(KB, NB) of the scan kernels (forward and reverse): `_state_blocks`, or blocks of up to STATE_BLOCK_ROWS
+    rows."""
     KB, NB = _state_blocks(K)
     if STATE_BLOCK_ROWS > KB and K > KB:
         KB = min(STATE_BLOCK_ROWS, triton.next_power_of_2(K))
@@ -1077,7 +1079,7 @@ def forward_state_scan(
     prec = dot_precision(k.dtype)
     Hs = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     R = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device)
-    KB, NB = _state_blocks(K)
+    KB, NB = _scan_state_blocks(K)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, PREC=prec,
                   EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
     h_in = h0
@@ -1087,8 +1089,8 @@ def forward_state_scan(
         rewy_fwd_scan_kernel[grid1](k, W, U, G, None, Hs, R, X, T, NT, CPS, 0, NS=NS, PHASE=1, USE_H_IN=False,
                                     **common)
         h_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
-        _segment_combine(X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, reverse=False, prec=prec,
-                         num_warps=num_warps)
+        _segment_combine(X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, **_combine_blocks(K), reverse=False,
+                         prec=prec, num_warps=num_warps)
     rewy_fwd_scan_kernel[(NV, B * H, NS)](k, W, U, G, h_in, Hs, R, None, T, NT, CPS, 0, NS=NS, PHASE=0,
                                           USE_H_IN=h_in is not None, **common)
     return Hs, R
@@ -1278,7 +1280,7 @@ def reverse_state_scan_ranges(
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
-    KB, NB = _reverse_state_blocks(K)
+    KB, NB = _scan_state_blocks(K)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
                   PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=QDO_AHEAD and code == 0,

@@ -443,15 +443,47 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
         assert torch.equal(a, b), name
 
 
-def test_reverse_state_blocks_of_up_to_128_rows(monkeypatch):
-    # STATE_BLOCK_ROWS sets the reverse scan's register blocks (every gate form) up to K; the combine keeps its own
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("B,T,H,K,V,C,BV,with_state,num_segments,dtype", [
+    (1, 130, 2, 128, 48, 32, 16, True, 1, torch.float32),  # one 128-row block, a tail, V not a multiple of BV
+    (2, 128, 1, 128, 64, 16, 32, False, 2, torch.float32),  # split: the transfer pass in 128-row blocks
+    (1, 70, 1, 256, 32, 32, 16, True, 1, torch.float32),  # K = 256: two blocks of 128 rows
+    (1, 130, 1, 128, 64, 32, 32, True, 1, torch.bfloat16),  # 16-bit products and states
+])
+def test_forward_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, num_segments, dtype, gate,
+                                              monkeypatch):
+    # scan.STATE_BLOCK_ROWS = 128 (off; session 37) holds the forward scan's state in 128-row register blocks too:
+    # against the float64 scan on outputs poisoned with NaN, every launch with those blocks
+    from rewy_tune.kernels.triton import scan
+
+    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
+    launched = []
+    monkeypatch.setattr(scan, "rewy_fwd_scan_kernel", _Spy(scan.rewy_fwd_scan_kernel, launched, key="KB"))
+    s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
+    with poison_allocations():
+        Hs, R = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, chunk_size=C, BK=K, BV=BV, num_warps=4,
+                                   num_stages=2, state_dtype=dtype, num_segments=num_segments)
+    assert launched and set(launched) == {128}
+    Hr, Rr = ref_forward_scan(s["k"], s["W"], s["U"], s["G"], h0, C)
+    if not with_state:
+        Hr[:, 0] = 0
+        assert (Hs[:, 0] == 0).all()
+        Hs, Hr = Hs[:, 1:], Hr[:, 1:]
+    check(Hs, Hr, dtype, "S0 per chunk")
+    check(R, Rr, dtype, "R")
+
+
+def test_scan_state_blocks_of_up_to_128_rows(monkeypatch):
+    # STATE_BLOCK_ROWS sets both scans' register blocks (every gate form) up to K; the combine keeps its own
     from rewy_tune.kernels.triton import scan
 
     assert scan.STATE_BLOCK_ROWS == 64 and not scan.QDO_AHEAD  # off by default: untimed on a GPU
-    assert scan._reverse_state_blocks(128) == (64, 2)
+    assert scan._scan_state_blocks(128) == (64, 2)
     monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
     for K, want in ((128, (128, 1)), (256, (128, 2)), (64, (64, 1)), (96, (128, 1)), (32, (32, 1))):
-        assert scan._reverse_state_blocks(K) == want, K
+        assert scan._scan_state_blocks(K) == want, K
     assert scan._combine_blocks(128) == {"KB": 64, "NB": 2}
 
 
