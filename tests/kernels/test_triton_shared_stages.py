@@ -273,6 +273,17 @@ def _scan_inputs(B, T, H, K, V, C, gate, dtype, seed):
     return s
 
 
+def _check_forward(s, h0, C, Hs, R, dtype):
+    """The forward scan's S0 per chunk and R against the float64 scan (without h0 the first chunk's S0 is zero)."""
+    Hr, Rr = ref_forward_scan(s["k"], s["W"], s["U"], s["G"], h0, C)
+    if h0 is None:
+        Hr[:, 0] = 0
+        assert (Hs[:, 0] == 0).all()
+        Hs, Hr = Hs[:, 1:], Hr[:, 1:]
+    check(Hs, Hr, dtype, "S0 per chunk")
+    check(R, Rr, dtype, "R")
+
+
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("B,T,H,K,V,C,BV,dtype,state_dtype,with_state,num_segments", SCAN_CASES)
 def test_forward_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state, num_segments, gate):
@@ -281,14 +292,8 @@ def test_forward_state_scan(B, T, H, K, V, C, BV, dtype, state_dtype, with_state
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
     Hs, R = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, chunk_size=C, BK=K, BV=BV, num_warps=4,
                                num_stages=2, state_dtype=state_dtype, num_segments=num_segments)
-    Hr, Rr = ref_forward_scan(s["k"], s["W"], s["U"], s["G"], h0, C)
     assert Hs.dtype == state_dtype and Hs.shape == (B, math.ceil(T / C), H, K, V)
-    if not with_state:
-        Hr[:, 0] = 0
-        assert (Hs[:, 0] == 0).all()
-        Hs, Hr = Hs[:, 1:], Hr[:, 1:]
-    check(Hs, Hr, dtype, "S0 per chunk")
-    check(R, Rr, dtype, "R")
+    _check_forward(s, h0, C, Hs, R, dtype)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -466,13 +471,7 @@ def test_forward_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, 
         Hs, R = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, chunk_size=C, BK=K, BV=BV, num_warps=4,
                                    num_stages=2, state_dtype=dtype, num_segments=num_segments)
     assert launched and set(launched) == {128}
-    Hr, Rr = ref_forward_scan(s["k"], s["W"], s["U"], s["G"], h0, C)
-    if not with_state:
-        Hr[:, 0] = 0
-        assert (Hs[:, 0] == 0).all()
-        Hs, Hr = Hs[:, 1:], Hr[:, 1:]
-    check(Hs, Hr, dtype, "S0 per chunk")
-    check(R, Rr, dtype, "R")
+    _check_forward(s, h0, C, Hs, R, dtype)
 
 
 def test_scan_state_blocks_of_up_to_128_rows(monkeypatch):
