@@ -536,9 +536,10 @@ def rewy_bwd_scan_kernel(
         # G_n per state block (EARLY_GN), issued before the products, whose time then hides the loads' latency
         b_gn0, b_gn1, b_gn2, b_gn3 = _early_gate_rows(G, tok_last, K, KB, NB, GATE, EARLY_GN)
         # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
-        # (with one state block, a zero accumulator plus dv_local would be folded into the product's accumulator,
-        # whose load the pipeliner then leaves unpipelined: the zeros are not a constant here)
-        b_rb = tl.zeros([BT, BV], dtype=tl.float32) * scale if NB == 1 else tl.zeros([BT, BV], dtype=tl.float32)
+        # (with one 128-row block, STATE_BLOCK_ROWS, a zero accumulator plus dv_local would be folded into the
+        # product's accumulator, whose load the pipeliner then leaves unpipelined: the zeros are not a constant there.
+        # K ≤ 64 keeps its untouched code, timed as it is)
+        b_rb = tl.zeros([BT, BV], dtype=tl.float32) * scale if KB > 64 else tl.zeros([BT, BV], dtype=tl.float32)
         b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d0, 0, K, KB, GATE, PREC)
         if NB > 1:
             b_rb = _bwd_k_dot(b_rb, k, G, tok, tok_last, m_row, b_d1, 1, K, KB, GATE, PREC)
