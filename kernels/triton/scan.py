@@ -896,13 +896,6 @@ def _scan_state_blocks(K: int) -> tuple[int, int]:
     return KB, NB
 
 
-def _combine_blocks(K: int) -> dict:
-    """The segment combine's register blocks, whatever the scan's (its shared memory is sized from them,
-    `combine_carry_shared_memory`)."""
-    KB, NB = _state_blocks(K)
-    return dict(KB=KB, NB=NB)
-
-
 # Value tile of the segment-combine kernel, independent of the scans' BV: 16 columns keep it at ~100 registers
 # without spills (BV = 64 spilled) and its shared memory at 24 KiB (sm_90, K = 128).
 COMBINE_BV = 16
@@ -944,8 +937,11 @@ def combine_carry_stages(K: int, device: torch.device, stages: int | None = None
     return stages
 
 
-def _segment_combine(X, first, h_in, *, H, K, V, VP, NS, KB, NB, reverse, prec, num_warps):
-    """Entering states h_in [B·H, NS, K, V] of every segment from their transfer matrices and biases X."""
+def _segment_combine(X, first, h_in, *, H, K, V, VP, NS, reverse, prec, num_warps):
+    """Entering states h_in [B·H, NS, K, V] of every segment from their transfer matrices and biases X. The combine
+    takes its own register blocks (`_state_blocks`), whatever the scans' (STATE_BLOCK_ROWS): its shared memory is
+    sized from them (`combine_carry_shared_memory`)."""
+    KB, NB = _state_blocks(K)
     grid = (triton.cdiv(V, COMBINE_BV), h_in.shape[0])
     args = dict(H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=first is not None,
                 REVERSE=reverse, PREC=prec, num_warps=num_warps)
@@ -1090,7 +1086,7 @@ def forward_state_scan(
         rewy_fwd_scan_kernel[grid1](k, W, U, G, None, Hs, R, X, T, NT, CPS, 0, NS=NS, PHASE=1, USE_H_IN=False,
                                     **common)
         h_in = torch.empty(B * H, NS, K, V, dtype=torch.float32, device=k.device)
-        _segment_combine(X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, **_combine_blocks(K), reverse=False,
+        _segment_combine(X, h0, h_in, H=H, K=K, V=V, VP=VP, NS=NS, reverse=False,
                          prec=prec, num_warps=num_warps)
     rewy_fwd_scan_kernel[(NV, B * H, NS)](k, W, U, G, h_in, Hs, R, None, T, NT, CPS, 0, NS=NS, PHASE=0,
                                           USE_H_IN=h_in is not None, **common)
@@ -1318,7 +1314,7 @@ def reverse_state_scan_ranges(
             rewy_bwd_scan_kernel[grid1](q, k, W, G, do, dvl, None, dS1, Rbar, dh0, X, None, None, scale, T, NT,
                                         CPS, 1, NS=NS, PHASE=1, USE_DH_IN=False, STORE_DH0=False, CARRY=False,
                                         IN_CARRY=False, PUBLISH=False, PDL=False, **common)
-            _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, **_combine_blocks(K), reverse=True,
+            _segment_combine(X, dht, dh_in, H=H, K=K, V=V, VP=VP, NS=NS, reverse=True,
                              prec=prec, num_warps=num_warps)
         if vk is not None:
             rewy_bwd_scan_vk_kernel[(NV, B * H, NS)](q, k, W, G, do, dvl, dh_in, dS1, Rbar, dh0, None, scale, T, NT,

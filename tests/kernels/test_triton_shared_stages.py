@@ -422,6 +422,9 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
     ahead_seen = []
     monkeypatch.setattr(scan, "rewy_bwd_scan_kernel",
                         _Spy(scan.rewy_bwd_scan_kernel, ahead_seen, key="QDO_AHEAD"))
+    combined = []
+    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel",
+                        _Spy(scan.rewy_segment_combine_carry_kernel, combined, key="KB"))
     s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=13)
     gen = torch.Generator().manual_seed(14)
     do = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype)
@@ -435,6 +438,7 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
                                           **kw)
     # (QDO_AHEAD forms dO's products unscaled: DeltaNet's alone, a scalar gate scales dO's rows)
     assert launched and set(launched) == {rows if K > 64 else 64} and set(ahead_seen) == {ahead and gate == "none"}
+    assert combined == ([64] if num_segments > 1 else [])  # (the split's combine: 64-row blocks whatever the scan's)
     ref_dvl = ref_dv_local(s["q"], s["k"], s["G"], do, scale, C) if dvl == "qk" else dv
     dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, ref_dvl, dht, scale, C)
     check(dS1, dr, dtype, "dS1 per chunk")
@@ -464,6 +468,9 @@ def test_forward_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, 
     monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
     launched = []
     monkeypatch.setattr(scan, "rewy_fwd_scan_kernel", _Spy(scan.rewy_fwd_scan_kernel, launched, key="KB"))
+    combined = []  # the split's combine keeps its own 64-row blocks (its shared memory is sized from them)
+    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel",
+                        _Spy(scan.rewy_segment_combine_carry_kernel, combined, key="KB"))
     s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=15)
     gen = torch.Generator().manual_seed(16)
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
@@ -471,11 +478,12 @@ def test_forward_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, 
         Hs, R = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, chunk_size=C, BK=K, BV=BV, num_warps=4,
                                    num_stages=2, state_dtype=dtype, num_segments=num_segments)
     assert launched and set(launched) == {128}
+    assert combined == ([64] if num_segments > 1 else [])
     _check_forward(s, h0, C, Hs, R, dtype)
 
 
 def test_scan_state_blocks_of_up_to_128_rows(monkeypatch):
-    # STATE_BLOCK_ROWS sets both scans' register blocks (every gate form) up to K; the combine keeps its own
+    # STATE_BLOCK_ROWS sets both scans' register blocks (every gate form) up to K
     from rewy_tune.kernels.triton import scan
 
     assert scan.STATE_BLOCK_ROWS == 64 and not scan.QDO_AHEAD  # off by default: untimed on a GPU
@@ -483,7 +491,6 @@ def test_scan_state_blocks_of_up_to_128_rows(monkeypatch):
     monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
     for K, want in ((128, (128, 1)), (256, (128, 2)), (64, (64, 1)), (96, (128, 1)), (32, (32, 1))):
         assert scan._scan_state_blocks(K) == want, K
-    assert scan._combine_blocks(128) == {"KB": 64, "NB": 2}
 
 
 def test_reverse_state_scan_forming_dv_local_refuses_what_it_does_not_form():
