@@ -471,15 +471,12 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
     # takes the side stream's scan beside it
     NT = triton.cdiv(q.shape[1], C)
     G_scan = scan_gk if scan_gk is not None else G  # the gate the scans read
-    scan_split = {}  # split program limit -> the segments the reverse scan would split into (asked once each)
 
+    @functools.cache  # (asked once per split program limit)
     def reverse_segments(limit: int) -> int:
-        if limit not in scan_split:
-            scan_split[limit] = reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C,
-                                                           BV=sc.reverse_scan.block_v,
-                                                           num_segments=sc.reverse_scan_segments,
-                                                           split_max_programs=limit)
-        return scan_split[limit]
+        """The segments the reverse scan would split into under this split program limit."""
+        return reverse_scan_segment_count(k, G_scan, v.shape[-1], chunk_size=C, BV=sc.reverse_scan.block_v,
+                                          num_segments=sc.reverse_scan_segments, split_max_programs=limit)
 
     query_in_ranges = (query_side is not None and W is not None and S0 is not None
                        and consumer_range_count(sc, NT, query_side=True) > 1)
