@@ -25,6 +25,7 @@ from rewy_tune.schedule import Schedule, StageConfig
 
 from cuda_graphs import capture
 from kernel_gates import GATE, GATE_LIKE, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
+from launch_spy import spy_kernel_launches
 from stand_in_streams import stand_in_streams
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
@@ -541,15 +542,8 @@ def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, dv
     monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", rows)
     monkeypatch.setattr(scan, "QDO_AHEAD", ahead)
     seen = set()
-    real = scan.rewy_bwd_scan_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.add((kw["KB"], kw["QDO_AHEAD"]))
-                return real[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(scan, "rewy_bwd_scan_kernel", Spy())
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel",
+                        lambda args, kw, grid: seen.add((kw["KB"], kw["QDO_AHEAD"])))
     x = make_inputs(op, 1, 100, 2, 128, 128, seed=37, beta_zero=True)
     sched = default_schedule((9, 0), op=op, policy=policy).replace(chunk_size=32, dv_local_source=dvl)
     out = run_triton(x, sched, policy)

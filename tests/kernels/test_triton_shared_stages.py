@@ -24,6 +24,8 @@ from rewy_tune.kernels.triton.cumsum import chunk_cumsum
 from rewy_tune.kernels.triton.recompute import recompute_wu
 from rewy_tune.kernels.triton.scan import forward_state_scan, reverse_state_scan
 
+from launch_spy import spy_kernel_launches
+
 GATES = ("none", "scalar", "vector")
 
 
@@ -418,13 +420,11 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
     monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", rows)
     monkeypatch.setattr(scan, "QDO_AHEAD", ahead)
     launched = []
-    monkeypatch.setattr(scan, "rewy_bwd_scan_kernel", _Spy(scan.rewy_bwd_scan_kernel, launched, key="KB"))
-    ahead_seen = []
-    monkeypatch.setattr(scan, "rewy_bwd_scan_kernel",
-                        _Spy(scan.rewy_bwd_scan_kernel, ahead_seen, key="QDO_AHEAD"))
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel",
+                        lambda a, kw, g: launched.append((kw["KB"], kw["QDO_AHEAD"])))
     combined = []
-    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel",
-                        _Spy(scan.rewy_segment_combine_carry_kernel, combined, key="KB"))
+    spy_kernel_launches(monkeypatch, scan, "rewy_segment_combine_carry_kernel",
+                        lambda a, kw, g: combined.append(kw["KB"]))
     s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=13)
     gen = torch.Generator().manual_seed(14)
     do = torch.randn(B, T, H, V, generator=gen).to(DEV, dtype)
@@ -437,7 +437,7 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
         dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_segments=num_segments,
                                           **kw)
     # (QDO_AHEAD forms dO's products unscaled: DeltaNet's alone, a scalar gate scales dO's rows)
-    assert launched and set(launched) == {rows if K > 64 else 64} and set(ahead_seen) == {ahead and gate == "none"}
+    assert launched and set(launched) == {(rows if K > 64 else 64, ahead and gate == "none")}
     assert combined == ([64] if num_segments > 1 else [])  # (the split's combine: 64-row blocks whatever the scan's)
     ref_dvl = ref_dv_local(s["q"], s["k"], s["G"], do, scale, C) if dvl == "qk" else dv
     dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, ref_dvl, dht, scale, C)
@@ -467,10 +467,11 @@ def test_forward_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, 
 
     monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
     launched = []
-    monkeypatch.setattr(scan, "rewy_fwd_scan_kernel", _Spy(scan.rewy_fwd_scan_kernel, launched, key="KB"))
+    spy_kernel_launches(monkeypatch, scan, "rewy_fwd_scan_kernel",
+                        lambda a, kw, g: launched.append(kw["KB"]))
     combined = []  # the split's combine keeps its own 64-row blocks (its shared memory is sized from them)
-    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel",
-                        _Spy(scan.rewy_segment_combine_carry_kernel, combined, key="KB"))
+    spy_kernel_launches(monkeypatch, scan, "rewy_segment_combine_carry_kernel",
+                        lambda a, kw, g: combined.append(kw["KB"]))
     s = _scan_inputs(B, T, H, K, V, C, gate, dtype, seed=15)
     gen = torch.Generator().manual_seed(16)
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
@@ -584,8 +585,8 @@ def test_split_scans_launch_the_combine_at_the_set_stages(stages, monkeypatch):
 
     one = run()
     launched = []
-    monkeypatch.setattr(scan, "rewy_segment_combine_carry_kernel",
-                        _Spy(scan.rewy_segment_combine_carry_kernel, launched))
+    spy_kernel_launches(monkeypatch, scan, "rewy_segment_combine_carry_kernel",
+                        lambda a, kw, g: launched.append(kw["num_stages"]))
     monkeypatch.setattr(scan, "COMBINE_CARRY_STAGES", stages)
     got = run()
     assert launched == [stages, stages]  # the forward and the reverse scan's combine
@@ -665,19 +666,6 @@ def test_gpu_scan_ranges_hold_their_carry_on_another_stream(monkeypatch):
     torch.cuda.synchronize()
     for name, a, b in zip(("dS1", "Rbar", "dh0"), one, (dS1, Rbar, dh0)):
         assert torch.equal(a, b), name
-
-
-class _Spy:
-    """A launchable stand-in that records one keyword of each launch (num_stages unless told) and runs the kernel."""
-
-    def __init__(self, kernel, log, key="num_stages"):
-        self.kernel, self.log, self.key = kernel, log, key
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.log.append(kw[self.key])
-            return self.kernel[grid](*args, **kw)
-        return launch
 
 
 def test_combine_carry_stages_fit_the_device():

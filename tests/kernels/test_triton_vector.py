@@ -31,6 +31,7 @@ from rewy_tune.schedule import Schedule, StageConfig
 
 from cuda_graphs import capture
 from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
+from launch_spy import spy_kernel_launches
 from stand_in_streams import stand_in_streams
 
 # Small tiles keep the interpreter fast; the scans hold all K rows (block_k >= K).
@@ -471,22 +472,6 @@ def test_one_beta_needs_one_scalar_beta():
     with pytest.raises(ValueError, match="one_beta: erase and write must be one"):
         rewy_backward_triton_vector(x["q"], x["k"], x["v"], x["g"], x["erase"], x["write"], fwd.A, x["do"], None,
                                     scale=1.0, initial_state=None, schedule=BASE, one_beta=True)
-
-
-def spy_kernel_launches(monkeypatch, module, name, record):
-    """The kernel `module.name` behind a spy: record(args, kw, grid) at each launch, then the real launch.
-    Returns the kernel's argument names (to find a positional argument by name)."""
-    real = getattr(module, name)
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                record(args, kw, grid)
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(module, name, Spy())
-    return real.arg_names
 
 
 def spy_consumer_launches(monkeypatch, record):
