@@ -61,7 +61,14 @@ def _record(args) -> list[dict]:
     for item in args.flag or ():  # (imported under the interpreter, above; the kernels read them at launch)
         key, _, value = item.partition("=")
         module, _, name = key.rpartition(".")
-        setattr(importlib.import_module(f"rewy_tune.kernels.triton.{module}"), name, int(value))
+        try:
+            home = importlib.import_module(f"rewy_tune.kernels.triton.{module}")
+            if not module or not hasattr(home, name):
+                raise AttributeError
+            setattr(home, name, int(value))
+        except (ImportError, AttributeError, ValueError):
+            raise SystemExit(f"--flag {item!r}: expected MODULE.NAME=INT naming an existing flag of a "
+                             "rewy_tune.kernels.triton module, e.g. scan.STATE_BLOCK_ROWS=128") from None
     launches: list[dict] = []
 
     class Recorder:

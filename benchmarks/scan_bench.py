@@ -182,13 +182,15 @@ def main() -> None:
     p.add_argument("--heads", type=int, nargs="+", default=list(HEADS), help="the B·H values (default: 4 16)")
     p.add_argument("--no-combine", action="store_true", help="skip the segment combine's timings")
     args = p.parse_args()
+    words = [w.replace("_", " ") for w in args.only.split(",")] if args.only else None
+    scans = [c for c in SCANS if words is None or any(w in c[0] for w in words)]
+    if not scans:
+        raise SystemExit(f"--only {args.only!r} matches no configuration's name (see SCANS in this file)")
     if not torch.cuda.is_available():
         raise SystemExit("scan_bench.py needs a CUDA GPU")
     from rewy_tune import fla_baseline, measure
 
     fla_baseline.autotune_here()
-    words = [w.replace("_", " ") for w in args.only.split(",")] if args.only else None
-    scans = [c for c in SCANS if words is None or any(w in c[0] for w in words)]
     combines = () if args.no_combine else COMBINE_CASES
     jobs = [("scan", c) for c in scans] + [("combine", (w, bh, ns)) for w in COMBINE_WARPS for bh, ns in combines]
     with mp.get_context("spawn").Pool(args.jobs) as pool:

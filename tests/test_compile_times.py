@@ -153,3 +153,14 @@ def test_longest_loop_mix_reads_one_pass_of_the_longest_loop():
     ])
     assert ct._longest_loop_mix(sass) == ("8 instructions; HGMMA 1, product waits 1, BAR 1, MEMBAR 1, STS 1, STG 1")
     assert ct._longest_loop_mix("        /*0000*/                   EXIT ;") == ""
+
+
+@pytest.mark.parametrize("flag", ["scan.NO_SUCH_FLAG=1", "nomodule.X=1", "scan.STATE_BLOCK_ROWS=big", "STATE_BLOCK_ROWS"])
+def test_a_flag_that_names_nothing_is_refused(flag, tmp_path):
+    # a typo must not compile the default and call it the flag's code
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--op", "deltanet", "--kernels", "rewy_bwd_scan", "--flag",
+                          flag], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode != 0
+    assert f"--flag {flag!r}: expected MODULE.NAME=INT naming an existing flag" in out.stderr, out.stderr[-2000:]
