@@ -10,13 +10,13 @@ Prints, per kernel of the third of three profiled replays, its start and end in 
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 
 from rewy_tune import fla_baseline, measure
 from rewy_tune.cli import bench
 from rewy_tune.kernels.triton import pipeline
+from rewy_tune.kernels.triton.flags import flag_home, parse_flag
 from rewy_tune.search_spaces import default_schedule
 
 
@@ -33,9 +33,11 @@ def main() -> None:
                          "pipeline.CONSUMER_CHASES_SCAN=1")
     args = ap.parse_args()
     for item in args.flag or ():  # (held for the process)
-        key, _, value = item.partition("=")
-        module, _, name = key.rpartition(".")
-        setattr(importlib.import_module(f"rewy_tune.kernels.triton.{module}"), name, int(value))
+        try:
+            key, value = parse_flag(item)
+        except ValueError as err:
+            raise SystemExit(f"--flag {err}") from None
+        setattr(*flag_home(key), value)
     fla_baseline.bypass_hopper_guard()
     pipeline.CONSUMER_CHASES_SCAN = args.chase
     shape = tuple(int(x) for x in args.shape.split(","))

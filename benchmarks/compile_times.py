@@ -58,17 +58,14 @@ def _record(args) -> list[dict]:
     from rewy_tune.schedule import Schedule
     from rewy_tune.search import default_schedule
 
+    from rewy_tune.kernels.triton.flags import flag_home, parse_flag
+
     for item in args.flag or ():  # (imported under the interpreter, above; the kernels read them at launch)
-        key, _, value = item.partition("=")
-        module, _, name = key.rpartition(".")
         try:
-            home = importlib.import_module(f"rewy_tune.kernels.triton.{module}")
-            if not module or not hasattr(home, name):
-                raise AttributeError
-            setattr(home, name, int(value))
-        except (ImportError, AttributeError, ValueError):
-            raise SystemExit(f"--flag {item!r}: expected MODULE.NAME=INT naming an existing flag of a "
-                             "rewy_tune.kernels.triton module, e.g. scan.STATE_BLOCK_ROWS=128") from None
+            key, value = parse_flag(item)
+        except ValueError as err:
+            raise SystemExit(f"--flag {err}") from None
+        setattr(*flag_home(key), value)
     launches: list[dict] = []
 
     class Recorder:

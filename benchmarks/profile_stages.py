@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 
 import torch
 
 from rewy_tune import autotune_parts, fla_baseline, measure, warmup
 from rewy_tune.cli import bench
+from rewy_tune.kernels.triton.flags import module_flags
 from rewy_tune.search_spaces import constraint, default_schedule
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
@@ -70,28 +70,6 @@ FLAG_VARIANTS = {
     "dvl-scan-rows128-qdo-ahead-s2": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
                                       {"dv_local_source": "scan", "reverse_scan": {"num_stages": 2}}),
 }
-
-
-def flag_home(key: str):
-    """(module, attribute name) of a flag variant's flag: vector_local's NAME, or another kernels/triton module's
-    "module.NAME"."""
-    import importlib
-
-    module, _, name = key.rpartition(".")
-    return importlib.import_module(f"rewy_tune.kernels.triton.{module or 'vector_local'}"), name
-
-
-@contextlib.contextmanager
-def module_flags(flags: dict):
-    """Set kernels/triton module flags (keys as `flag_home` reads them) for the duration (restored after)."""
-    old = {key: getattr(*flag_home(key)) for key in flags}
-    try:
-        for key, value in flags.items():
-            setattr(*flag_home(key), value)
-        yield
-    finally:
-        for key, value in old.items():
-            setattr(*flag_home(key), value)
 
 
 def variant_flags(name: str):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rewy_tune.kernels.triton import vector_local
+from rewy_tune.kernels.triton import scan, vector_local
+from rewy_tune.kernels.triton.flags import flag_home, parse_flag
 from rewy_tune.search_spaces import default_schedule, vector
 from rewy_tune.search_spaces.scalar import constraint as scalar_constraint
 
@@ -21,7 +22,7 @@ spec.loader.exec_module(profile_stages)
 
 def _flag(key):
     """The current value of a variant's flag: vector_local's NAME or kernels/triton's "module.NAME"."""
-    return getattr(*profile_stages.flag_home(key))
+    return getattr(*flag_home(key))
 
 
 @pytest.mark.parametrize("name", list(profile_stages.FLAG_VARIANTS))
@@ -47,6 +48,28 @@ def test_module_flags_restores_after_an_error():
         with profile_stages.module_flags({"LAST_ROW_LOAD": not before}):
             raise RuntimeError("a variant that fails")
     assert vector_local.LAST_ROW_LOAD is before
+
+
+@pytest.mark.parametrize("key", ["NO_SUCH_FLAG", "scan.NO_SUCH_FLAG", "nomodule.X", "scan."])
+def test_a_flag_that_names_nothing_is_refused(key):
+    # setattr on a typo would add an attribute no kernel reads, and the default would be timed under the flag's name
+    with pytest.raises(ValueError, match="names no existing flag"):
+        flag_home(key)
+    with pytest.raises(ValueError, match="names no existing flag"):
+        with profile_stages.module_flags({key: 1}):
+            pass
+
+
+@pytest.mark.parametrize("item", ["scan.NO_SUCH_FLAG=1", "scan.STATE_BLOCK_ROWS=big", "scan.STATE_BLOCK_ROWS",
+                                  "STATE_BLOCK_ROWS=128"])
+def test_parse_flag_refuses_what_it_cannot_set(item):
+    with pytest.raises(ValueError, match="expected MODULE.NAME=INT"):
+        parse_flag(item)
+
+
+def test_parse_flag_reads_a_module_flag():
+    assert parse_flag("scan.STATE_BLOCK_ROWS=128") == ("scan.STATE_BLOCK_ROWS", 128)
+    assert scan.STATE_BLOCK_ROWS == 64  # parsing sets nothing
 
 
 @pytest.mark.parametrize("policy", ["R", "A"])
