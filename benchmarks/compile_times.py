@@ -344,7 +344,7 @@ def main() -> None:
                          "product, or its SASS a product ptxas dropped (rewy_tune/ir_hazards.py; always reported)")
     ap.add_argument("--flag", action="append", default=None, metavar="MODULE.NAME=INT",
                     help="set a kernels/triton module flag while the launches are recorded (as profile_stages' flag "
-                         "variants), e.g. scan.STATE_BLOCK_ROWS=128")
+                         "variants), e.g. scan.EARLY_GATE_ROW=0")
     ap.add_argument("--_stage", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--_file", help=argparse.SUPPRESS)
     args = ap.parse_args()

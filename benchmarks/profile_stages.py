@@ -48,27 +48,6 @@ FLAG_VARIANTS = {
     # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
-    # session 37 (untimed): the reverse scan's state (every gate form) in one 128-row register block at K = 128,
-    # three products a chunk step instead of six; also with 16-wide value tiles (twice the programs) and 2 stages;
-    # and DeltaNet's Qᵀ dO formed a step ahead (its wait deferred to the next step's first product), alone and with
-    # the 128-row block (two waited products a step)
-    "rows128": ({"scan.STATE_BLOCK_ROWS": 128}, {}),
-    "rows128-bv16": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"block_v": 16}}),
-    "rows128-s2": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"num_stages": 2}}),
-    "rows128-w8": ({"scan.STATE_BLOCK_ROWS": 128}, {"reverse_scan": {"num_warps": 8}}),
-    "qdo-ahead": ({"scan.QDO_AHEAD": True}, {}),
-    "rows128-qdo-ahead": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True}, {}),
-    # (sm_90 loops: 8 warps 429 instructions a step and 7 CTA barriers, 16-wide tiles 435 and 5, against the 4-warp
-    # 32-wide 586 and 9; 2 stages leave room beside a scan CTA for the query-side stage's)
-    "rows128-qdo-ahead-w8": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
-                             {"reverse_scan": {"num_warps": 8}}),
-    "rows128-qdo-ahead-bv16": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
-                               {"reverse_scan": {"block_v": 16}}),
-    "rows128-qdo-ahead-s2": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
-                             {"reverse_scan": {"num_stages": 2}}),
-    # and with dv_local formed in the scan a step ahead too (no dv_local stage; 2 stages: 3 exceed the shared memory)
-    "dvl-scan-rows128-qdo-ahead-s2": ({"scan.STATE_BLOCK_ROWS": 128, "scan.QDO_AHEAD": True},
-                                      {"dv_local_source": "scan", "reverse_scan": {"num_stages": 2}}),
 }
 
 
@@ -291,6 +270,27 @@ def variants_for(op: str, base):
                            ("bscan-bv16", None, {"block_v": 16}),
                            ("scans-fla", {"block_v": 32, "num_stages": 4}, {"block_v": 32, "num_stages": 3})):
         out[name] = base.replace(**{k: v for k, v in (("forward_scan", fwd), ("reverse_scan", bwd)) if v})
+    # session 37 (untimed; Schedule.scan_state_rows, scan.py): the state (both scans, every gate form) in one 128-row
+    # register block at K = 128, three products a reverse chunk step instead of six; also with 16-wide value tiles
+    # (twice the programs), 2 stages and 8 warps
+    rows128 = base.replace(scan_state_rows=128)
+    out["rows128"] = rows128
+    out["rows128-bv16"] = rows128.replace(reverse_scan={"block_v": 16})
+    out["rows128-s2"] = rows128.replace(reverse_scan={"num_stages": 2})
+    out["rows128-w8"] = rows128.replace(reverse_scan={"num_warps": 8})
+    if op == "deltanet":
+        # and DeltaNet's Qᵀ dO formed a step ahead (Schedule.reverse_scan_qdo "ahead": its wait deferred to the next
+        # step's first product), alone and with the 128-row block (two waited products a step). sm_90 loops: 8 warps
+        # 429 instructions a step and 7 CTA barriers, 16-wide tiles 435 and 5, against the 4-warp 32-wide 586 and 9;
+        # 2 stages leave room beside a scan CTA for the query-side stage's
+        ahead = rows128.replace(reverse_scan_qdo="ahead")
+        out["qdo-ahead"] = base.replace(reverse_scan_qdo="ahead")
+        out["rows128-qdo-ahead"] = ahead
+        out["rows128-qdo-ahead-w8"] = ahead.replace(reverse_scan={"num_warps": 8})
+        out["rows128-qdo-ahead-bv16"] = ahead.replace(reverse_scan={"block_v": 16})
+        out["rows128-qdo-ahead-s2"] = ahead.replace(reverse_scan={"num_stages": 2})
+        # with dv_local formed in the scan a step ahead too (no dv_local stage; 2 stages: 3 exceed the shared memory)
+        out["dvl-scan-rows128-qdo-ahead-s2"] = ahead.replace(dv_local_source="scan", reverse_scan={"num_stages": 2})
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN
     # default uses waves 1 (no split at B·H = 16): "waves2" is call 3's behaviour, its A/B.

@@ -28,9 +28,9 @@ T = 2048
 HEADS = (4, 16)
 # (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, options]): options a tuple of (name, value),
 # ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state
-# (Schedule.reverse_scan_layout), ("rows", 128) for scan.STATE_BLOCK_ROWS 128 (one 128-row state block at K = 128),
-# ("ahead", True) for scan.QDO_AHEAD (DeltaNet's Qᵀ dO formed a step ahead), ("qk", True) for dv_local formed in the
-# scan from q and k (dv_local_from_qk).
+# (Schedule.reverse_scan_layout), ("rows", 128) for state_rows=128 (Schedule.scan_state_rows: one 128-row state block
+# at K = 128), ("ahead", True) for qdo_ahead=True (Schedule.reverse_scan_qdo "ahead": DeltaNet's Qᵀ dO formed a step
+# ahead), ("qk", True) for dv_local formed in the scan from q and k (dv_local_from_qk).
 # The KDA/GDN2 policy-A default (session 32's, with fp32 states) first; session 33's first call timed these before
 # EARLY_GATE_ROW
 LATE = (("early", False),)
@@ -76,7 +76,7 @@ SCANS = [
     ("gdn rows128 BV32 bf16", "gdn", 32, 4, 3, "bf16", False, ROWS128),
     ("kda-A rows128 bf16 states", "kda", 64, 4, 3, "bf16", True, ROWS128),
     ("kda-A rows128 BV32 bf16", "kda", 32, 4, 3, "bf16", True, ROWS128),
-    # session 37: DeltaNet's Qᵀ dO formed a step ahead (scan.QDO_AHEAD), alone and with the 128-row block
+    # session 37: DeltaNet's Qᵀ dO formed a step ahead (reverse_scan_qdo "ahead"), alone and with the 128-row block
     ("deltanet ahead BV32 bf16", "none", 32, 4, 3, "bf16", False, AHEAD),
     ("deltanet rows128 ahead BV32", "none", 32, 4, 3, "bf16", False, ROWS128_AHEAD),
     ("deltanet rows128 ahead BV16", "none", 16, 4, 3, "bf16", False, ROWS128_AHEAD),
@@ -119,15 +119,14 @@ def _scan_fn(cfg, x):
     opts = dict(opts[0]) if opts else {}
     kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=BV, num_warps=warps, num_stages=stages,
               state_dtype=torch.float32 if state == "fp32" else torch.bfloat16, num_segments=1,
-              layout=opts.get("layout", "kv"), dv_local_from_qk=opts.get("qk", False))
+              layout=opts.get("layout", "kv"), dv_local_from_qk=opts.get("qk", False),
+              state_rows=opts.get("rows", 64), qdo_ahead=opts.get("ahead", False))
     if gate == "kda":
         kw.update(pregated=True, q_scaled=False, gate_log2=True)
     dvl, aqk = (None, x["aqk"]) if in_scan else (None, None) if kw["dv_local_from_qk"] else (x["dvl"], None)
 
     def fn():  # (the flag is read at launch time)
         scan.EARLY_GATE_ROW = opts.get("early", True)
-        scan.STATE_BLOCK_ROWS = opts.get("rows", 64)
-        scan.QDO_AHEAD = opts.get("ahead", False)
         return scan.reverse_state_scan(x["q"], x["k"], x["W"], x["G"], x["do"], dvl, x["dht"], aqk=aqk, **kw)
     return fn
 

@@ -74,6 +74,20 @@ arithmetic in the same order at any depth. ``reverse_scan_layout`` is read by th
 holds the state as dS [K, BV] register blocks, whose chained products take it and R̄ as shared-memory operands every
 chunk step; "vk" holds dSᵀ [BV, K], so both take their A operand from registers (``scan.rewy_bwd_scan_vk_kernel``;
 its value tiles want 64 columns for Hopper's wgmma). Vector gates keep "kv".
+``scan_state_rows`` is read by both scans ("kv" layout, every gate form; the transposed reverse scan keeps its own
+blocks, and the segment combine of a split scan its 64-row ones): the state's K rows are held in register blocks of
+up to 64 rows (as FLA's kernels hold them) or 128. It changes code only where K > 64: at K = 128 one 128-row block
+makes each reverse chunk step three tensor-core products (K_t dS, Q_gᵀ dO, Wᵀ R̄) instead of six and each forward
+step two (W S, K_tᵀ R) instead of four, each waited for and fenced once (sm_90: DeltaNet A's reverse step 6 -> 3
+product waits, 104 -> 128 registers; KDA/GDN2 A 7 -> 4, 212 -> 225 registers; the same shared memory at 4 warps).
+``reverse_scan_qdo`` is read only by the no-gate (DeltaNet) reverse scan in the "kv" layout: "in_step" forms each
+chunk step's Qᵀ dO within the step; "ahead" forms it at the end of the step before, from a zero accumulator and the
+q and dO tiles as loaded, so Triton 3.6 waits for it at the next step's first product instead of before −Wᵀ R̄
+(with dv_local_source "scan" the next step's dv_local too). The same sums in another order; a third dO tile and the
+next chunk's q tile in shared memory (sm_90, K = 128, BV 32, 3 stages: 176 128 -> 200 704 B). GDN, KDA and GDN2
+(a gate scales dO's rows first, and Triton then waits for the product at once) and the "vk" layout run "in_step"
+whatever the value; the search spaces offer "ahead" to DeltaNet alone and the constraints reject it where they know
+the operator is gated. Both fields were written without a GPU (session 37); the defaults keep 64 rows, "in_step".
 """
 
 from __future__ import annotations
@@ -94,6 +108,8 @@ REVERSE_SCAN_LAYOUTS = ("kv", "vk")  # the reverse scan's state: dS [K, BV] or i
 CONSUMER_K_SPLITS = (0, 1, 2, 4)  # 0: "auto", chosen from the consumer's grid (local.programs_per_chunk)
 CONSUMER_RANGES = (0, 1, 2, 4, 8)  # the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
 CONSUMER_V_STAGES = (0, 1, 2, 3)  # pipeline depth of the vector consumers' V loops (0: consumer_cfg.num_stages)
+SCAN_STATE_ROWS = (64, 128)  # rows per register block of the scans' state (kernels/triton/scan.py)
+REVERSE_SCAN_QDO = ("in_step", "ahead")  # when the no-gate reverse scan forms a chunk step's Qᵀ dO (scan.py)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -183,12 +199,14 @@ class Schedule:
     # (formed once), or (policy A) the "forward"'s saved qg, kg
     consumer_v_stages: int = 0  # vector consumers: pipeline depth of their V loops (0: consumer_cfg.num_stages)
     reverse_scan_layout: str = "kv"  # scalar gates: the reverse scan's state as dS [K, BV] or transposed, dSᵀ [BV, K]
+    scan_state_rows: int = 64  # both scans: rows per register block of the state (changes code only where K > 64)
+    reverse_scan_qdo: str = "in_step"  # DeltaNet's reverse scan: Qᵀ dO formed in its chunk step, or the step before
 
     def __post_init__(self) -> None:
         # integer choices: an int of the listed values (1.0 or True compare equal to 1, and would reach the kernels)
         for name, allowed in (("chunk_size", CHUNK_SIZES), ("consumer_k_split", CONSUMER_K_SPLITS),
                               ("consumer_ranges", CONSUMER_RANGES), ("consumer_v_stages", CONSUMER_V_STAGES),
-                              ("scan_split_waves", SPLIT_WAVES)):
+                              ("scan_split_waves", SPLIT_WAVES), ("scan_state_rows", SCAN_STATE_ROWS)):
             val = getattr(self, name)
             if type(val) is not int or val not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {val!r}")
@@ -208,7 +226,8 @@ class Schedule:
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
                               ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES),
                               ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS), ("dq_stage", DQ_STAGES),
-                              ("scan_operands", SCAN_OPERANDS), ("reverse_scan_layout", REVERSE_SCAN_LAYOUTS)):
+                              ("scan_operands", SCAN_OPERANDS), ("reverse_scan_layout", REVERSE_SCAN_LAYOUTS),
+                              ("reverse_scan_qdo", REVERSE_SCAN_QDO)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

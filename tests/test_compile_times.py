@@ -110,17 +110,21 @@ def test_forward_scan_stages_no_more_than_flas_kernel(tmp_path):
         assert 0 < a.get(op, 0) <= b.get(op, 0), (op, a, b)
 
 
-def test_a_module_flag_reaches_the_recorded_launches(tmp_path):
-    # --flag sets a kernels/triton module flag while the launches are recorded: with scan.STATE_BLOCK_ROWS=128 the
-    # DeltaNet A reverse scan at K = 128 holds its state in one block, so each chunk step waits for three tensor-core
-    # products instead of six (--sass's "longest loop" line: one WARPGROUP.DEPBAR per waited product)
+def test_scan_state_rows_reach_the_sm90_loop(tmp_path):
+    # Schedule.scan_state_rows 128 (--schedule FILE): the DeltaNet A reverse scan at K = 128 holds its state in one
+    # block, so each chunk step waits for three tensor-core products instead of six (--sass's "longest loop" line: one
+    # WARPGROUP.DEPBAR per waited product)
+    from rewy_tune.search_spaces import default_schedule
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     loops = {}
     for rows in (64, 128):
+        sched = tmp_path / f"rows{rows}.json"
+        sched.write_text(default_schedule((9, 0), op="deltanet", policy="A").replace(scan_state_rows=rows).to_json())
         out = subprocess.run([sys.executable, str(SCRIPT), "--op", "deltanet", "--policy", "A", "--kernels",
-                              "rewy_bwd_scan", "--sass", "rewy_bwd_scan_kernel", "--flag",
-                              f"scan.STATE_BLOCK_ROWS={rows}"], capture_output=True, text=True, env=env, timeout=600)
+                              "rewy_bwd_scan", "--sass", "rewy_bwd_scan_kernel", "--schedule", str(sched)],
+                             capture_output=True, text=True, env=env, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         if "NO-CUOBJDUMP" in out.stdout or "regs" not in out.stdout:
             pytest.skip("this Triton wheel bundles no cuobjdump")
@@ -128,6 +132,23 @@ def test_a_module_flag_reaches_the_recorded_launches(tmp_path):
         loops[rows] = _opcode_counts(line.replace("product waits", "WAITS"))
     assert loops[64]["HGMMA"] == loops[128]["HGMMA"] == 24, loops  # the same products (m64n32k16 each)
     assert (loops[64]["WAITS"], loops[128]["WAITS"]) == (6, 3), loops
+
+
+def test_a_module_flag_reaches_the_recorded_launches(tmp_path):
+    # --flag sets a kernels/triton module flag while the launches are recorded: with scan.EARLY_GATE_ROW=0 KDA's
+    # pregated scans are recorded (and so compiled) loading the chunk's last gate row late (EARLY_GN off)
+    import pickle
+
+    early = {}
+    for flag in ([], ["--flag", "scan.EARLY_GATE_ROW=0"]):
+        launches = tmp_path / "launches.pkl"
+        out = subprocess.run([sys.executable, str(SCRIPT), "--op", "kda", "--policy", "R", "--head-dim", "32", "--H",
+                              "1", *flag, "--_stage", "record", "--_file", str(launches)],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        recorded = pickle.loads(launches.read_bytes())
+        early[bool(flag)] = {rec["kwargs"]["EARLY_GN"] for rec in recorded if "scan_kernel" in rec["name"]}
+    assert early == {False: {("const", True)}, True: {("int", 0)}}, early  # (--flag's values are integers)
 
 
 def test_longest_loop_mix_reads_one_pass_of_the_longest_loop():
@@ -155,7 +176,8 @@ def test_longest_loop_mix_reads_one_pass_of_the_longest_loop():
     assert ct._longest_loop_mix("        /*0000*/                   EXIT ;") == ""
 
 
-@pytest.mark.parametrize("flag", ["scan.NO_SUCH_FLAG=1", "nomodule.X=1", "scan.STATE_BLOCK_ROWS=big", "STATE_BLOCK_ROWS"])
+@pytest.mark.parametrize("flag", ["scan.NO_SUCH_FLAG=1", "nomodule.X=1", "scan.EARLY_GATE_ROW=big", "EARLY_GATE_ROW",
+                                  "scan.STATE_BLOCK_ROWS=128"])  # (a Schedule field now: --schedule)
 def test_a_flag_that_names_nothing_is_refused(flag, tmp_path):
     # a typo must not compile the default and call it the flag's code
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -11,6 +11,7 @@ import pytest
 
 from rewy_tune.kernels.triton import scan, vector_local
 from rewy_tune.kernels.triton.flags import flag_home, parse_flag
+from rewy_tune.search_spaces import constraint as ss_constraint
 from rewy_tune.search_spaces import default_schedule, vector
 from rewy_tune.search_spaces.scalar import constraint as scalar_constraint
 
@@ -60,16 +61,16 @@ def test_a_flag_that_names_nothing_is_refused(key):
             pass
 
 
-@pytest.mark.parametrize("item", ["scan.NO_SUCH_FLAG=1", "scan.STATE_BLOCK_ROWS=big", "scan.STATE_BLOCK_ROWS",
-                                  "STATE_BLOCK_ROWS=128"])
+@pytest.mark.parametrize("item", ["scan.NO_SUCH_FLAG=1", "scan.EARLY_GATE_ROW=big", "scan.EARLY_GATE_ROW",
+                                  "EARLY_GATE_ROW=0", "scan.STATE_BLOCK_ROWS=128"])  # (a flag no more: a field)
 def test_parse_flag_refuses_what_it_cannot_set(item):
     with pytest.raises(ValueError, match="expected MODULE.NAME=INT"):
         parse_flag(item)
 
 
 def test_parse_flag_reads_a_module_flag():
-    assert parse_flag("scan.STATE_BLOCK_ROWS=128") == ("scan.STATE_BLOCK_ROWS", 128)
-    assert scan.STATE_BLOCK_ROWS == 64  # parsing sets nothing
+    assert parse_flag("scan.EARLY_GATE_ROW=0") == ("scan.EARLY_GATE_ROW", 0)
+    assert scan.EARLY_GATE_ROW is True  # parsing sets nothing
 
 
 @pytest.mark.parametrize("policy", ["R", "A"])
@@ -86,3 +87,34 @@ def test_every_operator_has_its_variants(op, policy):
     assert all(isinstance(s, Schedule) and (n == "default" or s != base) for n, s in variants.items())
     if op in ("deltanet", "gdn"):  # session 35's transposed reverse scan and the query-side stage's ranges
         assert {"rscan-vk64", "dq-sep-ranges4"} <= set(variants)
+
+
+# the next GPU call's sweep (benchmarks/RESULTS.md, session 37): SWEEP_VARIANTS of DeltaNet under policy A
+SWEEP_37 = ["rows128", "rows128-w8", "qdo-ahead", "rows128-qdo-ahead", "rows128-qdo-ahead-s2",
+            "dvl-scan-rows128-qdo-ahead-s2"]
+
+
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn", "kda", "gdn2"])
+def test_the_scan_step_forms_are_schedule_variants(op, policy):
+    # session 37's forms, once module flags, are Schedule fields: each variant changes the default by the fields it
+    # names (128-row state blocks for every operator, Qᵀ dO ahead for DeltaNet alone, whose scan reads it) and passes
+    # the operator's constraint, so the sweep keeps it (a shared-memory rejection would drop it)
+    base = default_schedule((9, 0), K=128, V=128, op=op, policy=policy)
+    variants = profile_stages.variants_for(op, base)
+    assert not {n for n in variants if "rows128" in n or "qdo-ahead" in n} & set(profile_stages.FLAG_VARIANTS)
+    dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": (9, 0)}
+    for name in ("rows128", "rows128-bv16", "rows128-s2", "rows128-w8"):
+        assert variants[name].scan_state_rows == 128 and variants[name].reverse_scan_qdo == "in_step", name
+    assert variants["rows128"] == base.replace(scan_state_rows=128)
+    assert variants["rows128-w8"] == base.replace(scan_state_rows=128, reverse_scan={"num_warps": 8})
+    ahead = {n: s for n, s in variants.items() if s.reverse_scan_qdo == "ahead"}
+    if op != "deltanet":
+        assert not ahead
+        return
+    assert set(SWEEP_37) <= set(variants) and set(ahead) == {n for n in variants if "qdo-ahead" in n}
+    assert variants["qdo-ahead"] == base.replace(reverse_scan_qdo="ahead")
+    assert variants["dvl-scan-rows128-qdo-ahead-s2"] == base.replace(
+        scan_state_rows=128, reverse_scan_qdo="ahead", dv_local_source="scan", reverse_scan={"num_stages": 2})
+    for name in SWEEP_37:
+        assert ss_constraint(variants[name], dims, op=op) == [], name

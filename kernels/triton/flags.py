@@ -1,7 +1,7 @@
 """Module flags: kernel forms still under trial, held as module attributes of ``kernels/triton`` until timed.
 
 A flag is not a `Schedule` field (the tuner never sets one); the benchmark scripts set them by name for one
-measurement ("scan.STATE_BLOCK_ROWS=128"). One parser for all of them, so that a typo is refused instead of
+measurement ("scan.EARLY_GATE_ROW=0"). One parser for all of them, so that a typo is refused instead of
 creating a new attribute that no kernel reads, and the default's code timed under the flag's name.
 """
 
@@ -24,7 +24,7 @@ def flag_home(key: str, default_module: str = "vector_local") -> tuple[ModuleTyp
     except ImportError:
         home = None
     if home is None or not name or not hasattr(home, name):
-        raise ValueError(f"{key!r} names no existing flag of a {PACKAGE} module (e.g. scan.STATE_BLOCK_ROWS)")
+        raise ValueError(f"{key!r} names no existing flag of a {PACKAGE} module (e.g. scan.EARLY_GATE_ROW)")
     return home, name
 
 
@@ -38,7 +38,7 @@ def parse_flag(item: str) -> tuple[str, int]:
         return key, int(value)
     except ValueError:
         raise ValueError(f"{item!r}: expected MODULE.NAME=INT naming an existing flag of a {PACKAGE} module, "
-                         "e.g. scan.STATE_BLOCK_ROWS=128") from None
+                         "e.g. scan.EARLY_GATE_ROW=0") from None
 
 
 @contextlib.contextmanager

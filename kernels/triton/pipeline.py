@@ -11,15 +11,16 @@ Every Schedule field is read here and passed to exactly one stage:
 chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_scan_segments, state_dtype) →
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
-reverse_state_scan (+ reverse_scan_layout: the state as dS or dSᵀ); producer + pd_dtype → producer (separate
-only); consumer_cfg + consumer → consumer (joint_tma: `consumer_tma.py`, with consumer_order, column_side, p_tiles and consumer_k_split); cumsum →
-chunk_cumsum; intra, intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and
-recompute A_qk in dv_local). w_source is read by the autograd Function (`kernels/triton_function.py`): under
-policy A with "forward" it passes the forward's W here and recompute_wu does not run. side_stream → which stages
-run on a second CUDA stream (`side_stream_mode`): dv_local beside the recompute stage and the forward scan, and
-("reverse_scan") the reverse scan beside the forward scan too. dq_stage "separate" (joint_tma) → the query-side stage
-(`query_side.py`: dq, dk's query part and Ḡ's query side) on the main stream once S0 and R exist, beside the reverse
-scan.
+reverse_state_scan (+ reverse_scan_layout: the state as dS or dSᵀ; reverse_scan_qdo: DeltaNet's Qᵀ dO formed in its
+chunk step or the step before); scan_state_rows → both scans (rows per register block of the state);
+producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer (joint_tma: `consumer_tma.py`,
+with consumer_order, column_side, p_tiles and consumer_k_split); cumsum → chunk_cumsum; intra, intra_precision and
+dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in dv_local). w_source is read by
+the autograd Function (`kernels/triton_function.py`): under policy A with "forward" it passes the forward's W here
+and recompute_wu does not run. side_stream → which stages run on a second CUDA stream (`side_stream_mode`): dv_local
+beside the recompute stage and the forward scan, and ("reverse_scan") the reverse scan beside the forward scan too.
+dq_stage "separate" (joint_tma) → the query-side stage (`query_side.py`: dq, dk's query part and Ḡ's query side) on
+the main stream once S0 and R exist, beside the reverse scan.
 consumer_ranges > 1 (joint_tma; where the reverse scan runs last and alone) → the reverse scan in chunk ranges on
 the side stream (`scan.reverse_state_scan_ranges`), each range's consumer on the main stream after its scan range
 (`_scan_beside_consumer`); with the query-side stage (an explicit count, policy A with the forward's W) the stage runs
@@ -519,7 +520,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                      num_segments=1 if chase is not None else sc.reverse_scan_segments,
                      split_max_programs=split_limit, pregated=pregated, q_scaled=q_scaled,
                      gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase, layout=sc.reverse_scan_layout,
-                     dv_local_from_qk=qk_in_scan)
+                     dv_local_from_qk=qk_in_scan, state_rows=sc.scan_state_rows,
+                     qdo_ahead=sc.reverse_scan_qdo == "ahead")
 
     qc = sc.consumer_cfg  # the query-side stage takes the consumer's tiles
     query_args = dict(scale=scale, chunk_size=C, BK=qc.block_k, BV=qc.block_v, num_warps=qc.num_warps,
@@ -562,7 +564,7 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             S0, R = forward_state_scan(scan_k, W, U, G, initial_state, chunk_size=C, BK=fs.block_k, BV=fs.block_v,
                                        num_warps=fs.num_warps, num_stages=fs.num_stages, state_dtype=state_dtype,
                                        num_segments=sc.forward_scan_segments, split_max_programs=split_limit,
-                                       pregated=pregated)
+                                       pregated=pregated, state_rows=sc.scan_state_rows)
         else:  # policy A: the vector consumer takes S0 as it comes (it reads FLA's V-first h in place)
             S0, R = (S0 if vector else S0.contiguous()), R.contiguous()
         del U

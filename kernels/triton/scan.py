@@ -23,7 +23,8 @@ the scan's FLOPs. Exact in exact arithmetic; in floating point it re-associates 
 (Ψ_s products are contractions for |β k|² ≤ 2 and g ≤ 0, so errors do not grow).
 
 State blocks. The K rows of the state tile are held as NB register blocks of KB = min(64, K) rows (K ≤ 64: one,
-≤ 128: two, ≤ 256: four), so every per-step product is a [BT, KB] × [KB, BV] or [KB, BT] × [BT, BV] tile with
+≤ 128: two, ≤ 256: four; with state_rows=128, Schedule.scan_state_rows, blocks of up to 128 rows: `_scan_state_blocks`),
+so every per-step product is a [BT, KB] × [KB, BV] or [KB, BT] × [BT, BV] tile with
 input-dtype operands and fp32 accumulation (tl.dot with the accumulator passed in). The scalar gate scales the
 [BT, BV] rows (R, K dS, dO) instead of the [K, BT] operands: K_tᵀR = Kᵀ(diag(exp(G_n − G)) R), K_t dS =
 diag(exp(G_n − G)) K dS, Q_gᵀdO = Qᵀ diag(s·exp(G)) dO — the same products up to rounding.
@@ -73,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rewy_tune.schedule import REVERSE_SCAN_LAYOUTS
+from rewy_tune.schedule import REVERSE_SCAN_LAYOUTS, SCAN_STATE_ROWS
 
 from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
@@ -294,7 +295,7 @@ def rewy_fwd_scan_kernel(
     # PHASE 0: scan chunks of segment s from the entering state h_in[bh, s] (or zero), storing S0 and R.
     # PHASE 1: augmented transfer scan of segment s (columns < V: bias from zero; VP + j: identity column j),
     #          storing only the segment's end state into X[bh, s].
-    # The state's K rows live in NB register blocks of KB (≤ 64) rows: b_s0 .. b_s3.
+    # The state's K rows live in NB register blocks of KB rows (64, or 128: state_rows): b_s0 .. b_s3.
     i_c, i_bh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2) + SEG_OFFSET
     i_b, i_h = i_bh // H, i_bh % H
     cols = i_c * BV + tl.arange(0, BV)
@@ -490,12 +491,13 @@ def rewy_bwd_scan_kernel(
     #          kernel's programmatic dependent, and may start once every program of this grid has started
     #          (griddepcontrol.launch_dependents here): a consumer CTA that waits never holds an SM a scan program
     #          still needs.
-    # QDO_AHEAD (no gate; scan.QDO_AHEAD): each step adds s·Qᵀ dO, whose products the step before formed for its chunk
-    #          (b_x0 .. b_x3), and forms the next step's at its end from a zero accumulator and the loaded q and dO
-    #          tiles: Triton then waits for them at the next step's first product, not before this one's −WᵀR̄. With
-    #          HAS_DVL 3 the same for dv_local (b_dvl, from A_qk as a register operand; its K Qᵀ is waited for at the
-    #          step's end, off the state's chain: formed a step earlier still, the tiles held for it took 300 KB).
-    # The state's K rows live in NB register blocks of KB rows (64, or 128: STATE_BLOCK_ROWS): b_d0 .. b_d3.
+    # QDO_AHEAD (no gate; `reverse_state_scan(qdo_ahead=True)`): each step adds s·Qᵀ dO, whose products the step
+    #          before formed for its chunk (b_x0 .. b_x3), and forms the next step's at its end from a zero
+    #          accumulator and the loaded q and dO tiles: Triton then waits for them at the next step's first product,
+    #          not before this one's −WᵀR̄. With HAS_DVL 3 the same for dv_local (b_dvl, from A_qk as a register
+    #          operand; its K Qᵀ is waited for at the step's end, off the state's chain: formed a step earlier still,
+    #          the tiles held for it took 300 KB).
+    # The state's K rows live in NB register blocks of KB rows (64, or 128: state_rows): b_d0 .. b_d3.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     i_bh, i_b, i_h, i_s, cols, is_bias, p_in = _reverse_scan_program(SEG_OFFSET, H, NS, K, V, BV, CARRY, IN_CARRY)
@@ -536,7 +538,7 @@ def rewy_bwd_scan_kernel(
         # G_n per state block (EARLY_GN), issued before the products, whose time then hides the loads' latency
         b_gn0, b_gn1, b_gn2, b_gn3 = _early_gate_rows(G, tok_last, K, KB, NB, GATE, EARLY_GN)
         # R̄ = dv_local + K_t dS1, one [BT, KB] × [KB, BV] product per state block
-        # (with one 128-row block, STATE_BLOCK_ROWS, a zero accumulator plus dv_local would be folded into the
+        # (with one 128-row block, state_rows=128, a zero accumulator plus dv_local would be folded into the
         # product's accumulator, whose load the pipeliner then leaves unpipelined: the zeros are not a constant there.
         # K ≤ 64 keeps its untouched code, timed as it is)
         b_rb = tl.zeros([BT, BV], dtype=tl.float32) * scale if KB > 64 else tl.zeros([BT, BV], dtype=tl.float32)
@@ -865,35 +867,30 @@ def _state_blocks(K: int) -> tuple[int, int]:
     return KB, triton.cdiv(K, KB)
 
 
-# Rows per state register block of both scans ("kv" layout, every gate form): 64 as FLA's kernels hold it, or 128.
-# At K = 128 one block makes each reverse chunk step three tensor-core products (K_t dS, Q_gᵀ dO, Wᵀ R̄, each
-# m64 x k128 or m128 x k64) instead of six, each waited for and fenced once, and each forward step two (W S, K_tᵀ R)
-# instead of four. sm_90 loop bodies (`benchmarks/compile_times.py --flag scan.STATE_BLOCK_ROWS=128`), no hazards in
+# Rows per state register block of both scans ("kv" layout, every gate form; Schedule.scan_state_rows): 64 as FLA's
+# kernels hold them, or 128. At K = 128 one block makes each reverse chunk step three tensor-core products (K_t dS,
+# Q_gᵀ dO, Wᵀ R̄, each m64 x k128 or m128 x k64) instead of six, each waited for and fenced once, and each forward step
+# two (W S, K_tᵀ R) instead of four. sm_90 loop bodies (`benchmarks/compile_times.py --schedule FILE`), no hazards in
 # any: DeltaNet A's reverse scan 6 -> 3 product waits, MEMBARs and proxy fences, 498 -> 530 instructions, 104 -> 128
 # registers; KDA/GDN2 A 7 -> 4 waits (212 -> 225 registers), R 6 -> 3; the forward scans under R 4 -> 2 (DeltaNet 362
-# -> 360 instructions). Untimed on a GPU (session 37 had none): off until `scan_bench.py` and a sweep time it
-# (profile variants "rows128*").
-STATE_BLOCK_ROWS = 64
+# -> 360 instructions). Untimed on a GPU (session 37 had none): the defaults keep 64 until `scan_bench.py` and a sweep
+# time it (profile variants "rows128*"). The rows allowed: schedule.SCAN_STATE_ROWS.
 
 
-# The no-gate reverse scan (DeltaNet) forms each chunk step's Qᵀ dO products at the end of the step before, from a
-# zero accumulator and the q and dO tiles as loaded, and adds s times them to the state before its −Wᵀ R̄ product.
-# The "kv" loop waits for every product at once (Triton 3.6, sm_90), so each step waited for Q_gᵀ dO before it
-# could start Wᵀ R̄; formed a step ahead, Triton waits for them only at the next step's first product, with that
-# step's state stores and staging in between. (A scalar gate scales dO's rows first, and Triton 3.6 then waits for
-# the product at once, its operand staged from registers: DeltaNet only.) The same sums in another order. Untimed on
-# a GPU (session 37 had none): off until scan_bench and a sweep time it (variants "qdo-ahead*").
-QDO_AHEAD = False
-
-
-def _scan_state_blocks(K: int) -> tuple[int, int]:
-    """(KB, NB) of the scan kernels (forward and reverse): `_state_blocks`, or blocks of up to STATE_BLOCK_ROWS
-    rows."""
+def _scan_state_blocks(K: int, rows: int) -> tuple[int, int]:
+    """(KB, NB) of the scan kernels (forward and reverse) for state blocks of up to `rows` rows: `_state_blocks`
+    (rows 64), or one block of up to `rows` rows per `rows` of K where K > 64 (K ≤ 64 keeps its one block)."""
     KB, NB = _state_blocks(K)
-    if STATE_BLOCK_ROWS > KB and K > KB:
-        KB = min(STATE_BLOCK_ROWS, triton.next_power_of_2(K))
+    if rows > KB and K > KB:
+        KB = min(rows, triton.next_power_of_2(K))
         NB = triton.cdiv(K, KB)
     return KB, NB
+
+
+def _check_state_rows(state_rows) -> None:
+    if type(state_rows) is not int or state_rows not in SCAN_STATE_ROWS:
+        raise ValueError(f"state_rows must be one of {SCAN_STATE_ROWS} (rows per register block of the state), "
+                         f"got {state_rows!r}")
 
 
 # Value tile of the segment-combine kernel, independent of the scans' BV: 16 columns keep it at ~100 registers
@@ -939,7 +936,7 @@ def combine_carry_stages(K: int, device: torch.device, stages: int | None = None
 
 def _segment_combine(X, first, h_in, *, H, K, V, VP, NS, reverse, prec, num_warps):
     """Entering states h_in [B·H, NS, K, V] of every segment from their transfer matrices and biases X. The combine
-    takes its own register blocks (`_state_blocks`), whatever the scans' (STATE_BLOCK_ROWS): its shared memory is
+    takes its own register blocks (`_state_blocks`), whatever the scans' (state_rows): its shared memory is
     sized from them (`combine_carry_shared_memory`)."""
     KB, NB = _state_blocks(K)
     grid = (triton.cdiv(V, COMBINE_BV), h_in.shape[0])
@@ -1049,6 +1046,7 @@ def forward_state_scan(
     num_segments: int = 1,
     split_max_programs: int = 0,
     pregated: bool = False,
+    state_rows: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy-R forward state pass. Returns (S0 per chunk [B,NT,H,K,V] in state_dtype, R [B,T,H,V] in k's dtype).
 
@@ -1056,10 +1054,13 @@ def forward_state_scan(
     initial_state None | [B,H,K,V]. Grid: cdiv(V,BV) × B·H × num_segments programs (see the module docstring);
     split_max_programs > 0 limits that grid (`split_program_limit`, `_segments`). pregated (vector G only): k is
     K_t = K ⊙ exp(G_n − G) from `scan_operands.gated_scan_operands`, and the scan reads G's last rows alone.
+    state_rows (Schedule.scan_state_rows): the state's register blocks hold up to 64 or 128 rows (`_scan_state_blocks`;
+    the same code where K ≤ 64).
     """
     B, T, H, K = k.shape
     V = U.shape[-1]
     _check_scan_args(K, V, chunk_size, BK, BV, num_warps, num_stages, state_dtype, num_segments, k.dtype)
+    _check_state_rows(state_rows)
     if tuple(W.shape) != (B, T, H, K) or tuple(U.shape[:3]) != (B, T, H):
         raise ValueError(f"W must be {(B, T, H, K)} and U [B,T,H,V]; got {tuple(W.shape)}, {tuple(U.shape)}")
     if initial_state is not None and tuple(initial_state.shape) != (B, H, K, V):
@@ -1076,7 +1077,7 @@ def forward_state_scan(
     prec = dot_precision(k.dtype)
     Hs = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     R = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device)
-    KB, NB = _scan_state_blocks(K)
+    KB, NB = _scan_state_blocks(K, state_rows)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, PREC=prec,
                   EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
     h_in = h0
@@ -1197,6 +1198,8 @@ def reverse_state_scan_ranges(
     progress: ScanProgress | None = None,
     layout: str = "kv",
     dv_local_from_qk: bool = False,
+    state_rows: int = 64,
+    qdo_ahead: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -1230,6 +1233,14 @@ def reverse_state_scan_ranges(
     layout (Schedule.reverse_scan_layout): "kv" keeps the state as dS [K, BV] register blocks, "vk" as dSᵀ [BV, K]
     (`rewy_bwd_scan_vk_kernel`: no gate or a scalar gate, dv_local read or none; not with aqk or progress). A split
     scan's transfer pass and combine run the "kv" kernel either way.
+    state_rows (Schedule.scan_state_rows): the "kv" kernel's state blocks hold up to 64 or 128 rows
+    (`_scan_state_blocks`; the same code where K ≤ 64). The "vk" kernel takes its own blocks.
+    qdo_ahead (Schedule.reverse_scan_qdo "ahead"; no gate, "kv" layout): each chunk step's Qᵀ dO (with
+    dv_local_from_qk its dv_local too) is formed at the end of the step before, from the q and dO tiles as loaded, so
+    that Triton waits for those products at the next step's first one rather than before −Wᵀ R̄ (the "kv" loop
+    waits for every product at once, Triton 3.6 on sm_90). The same sums in another order. A gate scales dO's rows
+    first, and Triton then waits for the product at once (its operand staged from registers): with a gate, and in
+    the "vk" layout, the step forms its own, as with qdo_ahead False.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -1252,6 +1263,9 @@ def reverse_state_scan_ranges(
                          "dv_local or none: not a vector gate, aqk= or progress=")
     if not isinstance(gate_log2, bool):
         raise TypeError(f"gate_log2 must be a bool, got {type(gate_log2).__name__}")
+    if not isinstance(qdo_ahead, bool):
+        raise TypeError(f"qdo_ahead must be a bool (True: Qᵀ dO formed a step ahead), got {type(qdo_ahead).__name__}")
+    _check_state_rows(state_rows)
     if gate_log2 and not pregated:
         raise ValueError("gate_log2=True: only a pregated scan reads G's last rows alone; pass pregated=True with it")
     q, k, W, do = q.contiguous(), k.contiguous(), W.contiguous(), do.contiguous()
@@ -1277,10 +1291,10 @@ def reverse_state_scan_ranges(
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
-    KB, NB = _scan_state_blocks(K)
+    KB, NB = _scan_state_blocks(K, state_rows)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
-                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=QDO_AHEAD and code == 0,
+                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=qdo_ahead and code == 0,
                   num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     if progress is not None:

@@ -389,6 +389,8 @@ FIELD_CHANGES = {
     "scan_operands": "pregated",  # read by vector gates only (test_triton_vector.py); scalar gates ignore it
     "consumer_v_stages": 2,  # read by the vector consumers only (test_triton_vector.py); scalar gates ignore it
     "reverse_scan_layout": "vk",  # see also test_reverse_state_scan_transposed (test_triton_shared_stages.py)
+    "scan_state_rows": 128,  # at K = 128 (PROBLEM_FOR; K ≤ 64 keeps one block), its launches checked (LAUNCH_FOR)
+    "reverse_scan_qdo": "ahead",  # DeltaNet's (PROBLEM_FOR; GDN's scan forms Qᵀ dO in its step), launches checked
 }
 
 
@@ -396,10 +398,18 @@ FIELD_CHANGES = {
 READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
            "p_tiles": "joint_tma", "consumer_k_split": "joint_tma", "dq_stage": "joint_tma",
            "consumer_ranges": "joint_tma"}
-# fields read only where another field allows it: both schedules take that value (K = 32 in two 16-wide tiles)
-BASE_FOR = {"consumer_k_split": {"consumer_cfg": {"block_k": 16}}}
+# fields read only where another field allows it: both schedules take that value (K = 32 in two 16-wide tiles; the
+# scans' state tiles cover K = 128)
+BASE_FOR = {"consumer_k_split": {"consumer_cfg": {"block_k": 16}},
+            "scan_state_rows": {"forward_scan": {"block_k": 128}, "reverse_scan": {"block_k": 128}}}
 # fields read under one policy only: both schedules run under it
 POLICY_FOR = {"w_source": "A"}
+# fields read by one operator or at some head dims only: (op, K = V) of both runs (others: GDN at 32)
+PROBLEM_FOR = {"scan_state_rows": ("gdn", 128), "reverse_scan_qdo": ("deltanet", 32)}
+# fields whose change the gate alone would not notice if the pipeline dropped it (the same gradients in another form):
+# the scan kernels' launch constexpr that carries it, {kernel: (constexpr, base's value, changed's value)}
+LAUNCH_FOR = {"scan_state_rows": {"rewy_fwd_scan_kernel": ("KB", 64, 128), "rewy_bwd_scan_kernel": ("KB", 64, 128)},
+              "reverse_scan_qdo": {"rewy_bwd_scan_kernel": ("QDO_AHEAD", False, True)}}
 
 
 def test_field_changes_cover_schedule():
@@ -407,17 +417,27 @@ def test_field_changes_cover_schedule():
 
 
 @pytest.mark.parametrize("field", list(FIELD_CHANGES))
-def test_each_field_one_at_a_time(field):
+def test_each_field_one_at_a_time(field, monkeypatch):
+    from rewy_tune.kernels.triton import scan
+
     base = BASE.replace(consumer=READ_BY[field]) if field in READ_BY else BASE
     base = base.replace(**BASE_FOR.get(field, {}))
     changed = base.replace(**{field: FIELD_CHANGES[field]})
     assert changed != base
-    x = make_inputs("gdn", 1, 100, 1, 32, 32, seed=13)
+    op, KV = PROBLEM_FOR.get(field, ("gdn", 32))
+    x = make_inputs(op, 1, 100, 1, KV, KV, seed=13)
     ref = oracle(x, C=changed.chunk_size)
     ref_base = oracle(x) if changed.chunk_size != base.chunk_size else ref
     policy = POLICY_FOR.get(field, "R")
+    launched = {kernel: set() for kernel in LAUNCH_FOR.get(field, {})}
+    for kernel, (name, *_) in LAUNCH_FOR.get(field, {}).items():
+        spy_kernel_launches(monkeypatch, scan, kernel, lambda a, kw, g, k=kernel, n=name: launched[k].add(kw[n]))
     assert_gates(run_triton(x, base, policy), ref_base, ctx=f"{field} base")
+    assert launched == {k: {was} for k, (_, was, _) in LAUNCH_FOR.get(field, {}).items()}, field
+    for seen in launched.values():
+        seen.clear()
     assert_gates(run_triton(x, changed, policy), ref, ctx=f"{field} changed")
+    assert launched == {k: {now} for k, (*_, now) in LAUNCH_FOR.get(field, {}).items()}, field
 
 
 def test_side_stream_rule():
@@ -532,22 +552,24 @@ def test_scans_side_by_side_split_on_half_the_sms(mode, waves, limit, monkeypatc
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, dvl, monkeypatch):
-    # scan.STATE_BLOCK_ROWS 128 and scan.QDO_AHEAD (off; session 37) at K = V = 128, where they change the launches:
-    # the H200 default (DeltaNet A: the query-side stage beside the scan), also with dv_local formed in the scan
-    # (dv_local_source "scan", with QDO_AHEAD a step ahead too), with a tail, initial state and zero β on half the
-    # sequence, against the oracle; every reverse scan launch in that form (QDO_AHEAD: no gate only)
+    # Schedule.scan_state_rows 128 and reverse_scan_qdo "ahead" (off by default; session 37) at K = V = 128, where
+    # they change the launches: the H200 default (DeltaNet A: the query-side stage beside the scan), also with
+    # dv_local formed in the scan (dv_local_source "scan", with "ahead" a step ahead too), with a tail, initial state
+    # and zero β on half the sequence, against the oracle; every scan launch in that form ("ahead": no gate only, GDN's
+    # scan forms Qᵀ dO in its step; the forward scan, policy R, in 128-row blocks too)
     from rewy_tune.kernels.triton import scan
     from rewy_tune.search_spaces import default_schedule
 
-    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", rows)
-    monkeypatch.setattr(scan, "QDO_AHEAD", ahead)
-    seen = set()
+    seen, forward = set(), set()
     spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel",
                         lambda args, kw, grid: seen.add((kw["KB"], kw["QDO_AHEAD"])))
+    spy_kernel_launches(monkeypatch, scan, "rewy_fwd_scan_kernel", lambda args, kw, grid: forward.add(kw["KB"]))
     x = make_inputs(op, 1, 100, 2, 128, 128, seed=37, beta_zero=True)
-    sched = default_schedule((9, 0), op=op, policy=policy).replace(chunk_size=32, dv_local_source=dvl)
+    sched = default_schedule((9, 0), op=op, policy=policy).replace(
+        chunk_size=32, dv_local_source=dvl, scan_state_rows=rows, reverse_scan_qdo="ahead" if ahead else "in_step")
     out = run_triton(x, sched, policy)
     assert seen == {(rows, ahead and op == "deltanet")}
+    assert forward == ({rows} if policy == "R" else set())  # (policy A takes S0 from the forward)
     assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} rows {rows} ahead {ahead}")
 
 
@@ -1287,38 +1309,34 @@ def test_gpu_query_side_stage_race_beside(op, policy):
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 4), (1, 1000, 4)])
 @pytest.mark.parametrize("variant", ["transposed", "dv_local_in_scan", "step_forms"])
-def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy, monkeypatch):
+def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
     # "transposed": Schedule.reverse_scan_layout "vk" (session 35), 64-wide value tiles at 4 and 8 warps, 32-wide (no
     # wgmma there) at 4. "dv_local_in_scan": Schedule.dv_local_source "scan" (session 36), no dv_local stage, the
     # reverse scan's chunk steps form A_qk and dv_local, on each policy's default (DeltaNet A: the query-side stage)
-    # with its consumer ranges and split scans. "step_forms": the module flags scan.STATE_BLOCK_ROWS 128 and
-    # scan.QDO_AHEAD (session 37, written without a GPU) on each policy's default, alone, together, and together at
-    # 8 warps. The bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
-    from rewy_tune.kernels.triton import scan
+    # with its consumer ranges and split scans. "step_forms": Schedule.scan_state_rows 128 and reverse_scan_qdo
+    # "ahead" (session 37, written without a GPU) on each policy's default, alone, together, and together at 8 warps.
+    # The bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
     from rewy_tune.search_spaces import default_schedule
 
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 3, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     default = default_schedule(torch.cuda.get_device_capability(), op=op, policy=policy)
     if variant == "transposed":
-        schedules = {f"vk BV {bv} {warps} warps": (_gpu_default().replace(
-            reverse_scan_layout="vk", reverse_scan={"block_v": bv, "num_warps": warps}), {})
+        schedules = {f"vk BV {bv} {warps} warps": _gpu_default().replace(
+            reverse_scan_layout="vk", reverse_scan={"block_v": bv, "num_warps": warps})
             for bv, warps in ((64, 4), (64, 8), (32, 4))}
     elif variant == "dv_local_in_scan":
-        schedules = {"dv_local in the scan": (default.replace(dv_local_source="scan"), {})}
+        schedules = {"dv_local in the scan": default.replace(dv_local_source="scan")}
     else:
-        both = {"STATE_BLOCK_ROWS": 128, "QDO_AHEAD": True}
-        schedules = {"128-row state": (default, {"STATE_BLOCK_ROWS": 128}),
-                     "Qᵀ dO ahead": (default, {"QDO_AHEAD": True}), "both": (default, both),
-                     "both, 8 warps": (default.replace(reverse_scan={"num_warps": 8}), both)}
-    for name, (s, flags) in schedules.items():
-        with monkeypatch.context() as m:
-            for flag, value in flags.items():
-                m.setattr(scan, flag, value)
-            out = run_triton(x, s, policy)
-            ctx = f"gpu {op} {B},{T},{H} {policy} {name}"
-            assert_bf16(out, ref, ctx)
-            assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
+        both = default.replace(scan_state_rows=128, reverse_scan_qdo="ahead")
+        schedules = {"128-row state": default.replace(scan_state_rows=128),
+                     "Qᵀ dO ahead": default.replace(reverse_scan_qdo="ahead"), "both": both,
+                     "both, 8 warps": both.replace(reverse_scan={"num_warps": 8})}
+    for name, s in schedules.items():
+        out = run_triton(x, s, policy)
+        ctx = f"gpu {op} {B},{T},{H} {policy} {name}"
+        assert_bf16(out, ref, ctx)
+        assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 
 import math
+import re
 
 import pytest
 import torch
@@ -409,16 +410,15 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
 ])
 def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV, with_state, num_segments, dvl,
                                                             dtype, gate, rows, ahead, monkeypatch):
-    # Two loop forms of the reverse scan (off; session 37): scan.STATE_BLOCK_ROWS = 128 holds the state in register
-    # blocks of up to 128 rows (every gate form); scan.QDO_AHEAD (no gate) forms each step's Qᵀ dO in the step
-    # before. Against the float64 scan on outputs poisoned with NaN, every launch in that form (the split's combine
-    # keeps its own blocks), and its chunk ranges give the bits of one launch (each range forms its first step's)
+    # Two loop forms of the reverse scan (off by default; session 37): state_rows=128 (Schedule.scan_state_rows) holds
+    # the state in register blocks of up to 128 rows (every gate form); qdo_ahead=True (Schedule.reverse_scan_qdo
+    # "ahead"; no gate) forms each step's Qᵀ dO in the step before. Against the float64 scan on outputs poisoned with
+    # NaN, every launch in that form (the split's combine keeps its own blocks), and its chunk ranges give the bits of
+    # one launch (each range forms its first step's)
     from rewy_tune.kernels.triton import scan
 
     if dvl == "qk" and gate == "vector":
         pytest.skip("dv_local_from_qk forms A_qk with no gate or a scalar gate only")
-    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", rows)
-    monkeypatch.setattr(scan, "QDO_AHEAD", ahead)
     launched = []
     spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel",
                         lambda a, kw, g: launched.append((kw["KB"], kw["QDO_AHEAD"])))
@@ -432,11 +432,11 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
     dht = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
     scale = K ** -0.5
     kw = dict(scale=scale, chunk_size=C, BK=triton.next_power_of_2(K), BV=BV, num_warps=4, num_stages=2,
-              want_dh0=True, dv_local_from_qk=dvl == "qk")
+              want_dh0=True, dv_local_from_qk=dvl == "qk", state_rows=rows, qdo_ahead=ahead)
     with poison_allocations():
         dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_segments=num_segments,
                                           **kw)
-    # (QDO_AHEAD forms dO's products unscaled: DeltaNet's alone, a scalar gate scales dO's rows)
+    # (the step ahead forms dO's products unscaled: DeltaNet's alone, a gate's scan forms them in its step)
     assert launched and set(launched) == {(rows if K > 64 else 64, ahead and gate == "none")}
     assert combined == ([64] if num_segments > 1 else [])  # (the split's combine: 64-row blocks whatever the scan's)
     ref_dvl = ref_dv_local(s["q"], s["k"], s["G"], do, scale, C) if dvl == "qk" else dv
@@ -461,11 +461,10 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
 ])
 def test_forward_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, num_segments, dtype, gate,
                                               monkeypatch):
-    # scan.STATE_BLOCK_ROWS = 128 (off; session 37) holds the forward scan's state in 128-row register blocks too:
-    # against the float64 scan on outputs poisoned with NaN, every launch with those blocks
+    # state_rows=128 (Schedule.scan_state_rows; off by default, session 37) holds the forward scan's state in 128-row
+    # register blocks too: against the float64 scan on outputs poisoned with NaN, every launch with those blocks
     from rewy_tune.kernels.triton import scan
 
-    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
     launched = []
     spy_kernel_launches(monkeypatch, scan, "rewy_fwd_scan_kernel",
                         lambda a, kw, g: launched.append(kw["KB"]))
@@ -477,21 +476,61 @@ def test_forward_state_scan_in_128_row_blocks(B, T, H, K, V, C, BV, with_state, 
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
     with poison_allocations():
         Hs, R = forward_state_scan(s["k"], s["W"], s["U"], s["G"], h0, chunk_size=C, BK=K, BV=BV, num_warps=4,
-                                   num_stages=2, state_dtype=dtype, num_segments=num_segments)
+                                   num_stages=2, state_dtype=dtype, num_segments=num_segments, state_rows=128)
     assert launched and set(launched) == {128}
     assert combined == ([64] if num_segments > 1 else [])
     _check_forward(s, h0, C, Hs, R, dtype)
 
 
-def test_scan_state_blocks_of_up_to_128_rows(monkeypatch):
-    # STATE_BLOCK_ROWS sets both scans' register blocks (every gate form) up to K
+def test_scan_state_blocks_of_up_to_128_rows():
+    # state_rows sets both scans' register blocks (every gate form) up to K; K ≤ 64 keeps its one block
+    import inspect
+
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.schedule import Schedule
+
+    for K, want in ((128, (64, 2)), (256, (64, 4)), (96, (64, 2)), (64, (64, 1)), (32, (32, 1))):
+        assert scan._scan_state_blocks(K, 64) == scan._state_blocks(K) == want, K
+    for K, want in ((128, (128, 1)), (256, (128, 2)), (64, (64, 1)), (96, (128, 1)), (32, (32, 1))):
+        assert scan._scan_state_blocks(K, 128) == want, K
+    # off by default (untimed on a GPU): the launchers' and the Schedule's defaults are the 64-row, in-step forms
+    for fn in (scan.forward_state_scan, scan.reverse_state_scan_ranges):
+        assert inspect.signature(fn).parameters["state_rows"].default == 64, fn
+    assert inspect.signature(scan.reverse_state_scan_ranges).parameters["qdo_ahead"].default is False
+    assert (Schedule().scan_state_rows, Schedule().reverse_scan_qdo) == (64, "in_step")
+
+
+def test_scans_refuse_state_rows_and_qdo_ahead_they_do_not_take():
+    s = _scan_inputs(1, 64, 1, 32, 32, 16, "none", torch.float32, seed=8)
+    do = torch.randn(1, 64, 1, 32).to(DEV)
+    kw = dict(chunk_size=16, BK=32, BV=16)
+    for rows in (32, 96, 256, True, 128.0, "128"):  # (True == 1 and 128.0 == 128 would pass an `in` test)
+        with pytest.raises(ValueError, match=r"state_rows must be one of \(64, 128\) .*got " + re.escape(repr(rows))):
+            forward_state_scan(s["k"], s["W"], s["U"], None, None, state_rows=rows, **kw)
+        with pytest.raises(ValueError, match=r"state_rows must be one of \(64, 128\)"):
+            reverse_state_scan(s["q"], s["k"], s["W"], None, do, None, None, scale=0.2, state_rows=rows, **kw)
+    with pytest.raises(TypeError, match="qdo_ahead must be a bool .*got int"):
+        reverse_state_scan(s["q"], s["k"], s["W"], None, do, None, None, scale=0.2, qdo_ahead=1, **kw)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_q_do_ahead_is_read_by_the_no_gate_kv_scan_alone(layout, monkeypatch):
+    # qdo_ahead with a scalar gate (which scales dO's rows first) or in the transposed layout: the scan forms Qᵀ dO in
+    # its step, as without it (Schedule.reverse_scan_qdo: GDN accepts any value), the same bits
     from rewy_tune.kernels.triton import scan
 
-    assert scan.STATE_BLOCK_ROWS == 64 and not scan.QDO_AHEAD  # off by default: untimed on a GPU
-    assert scan._scan_state_blocks(128) == (64, 2)
-    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
-    for K, want in ((128, (128, 1)), (256, (128, 2)), (64, (64, 1)), (96, (128, 1)), (32, (32, 1))):
-        assert scan._scan_state_blocks(K) == want, K
+    launched = []
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel", lambda a, kw, g: launched.append(kw["QDO_AHEAD"]))
+    s = _scan_inputs(1, 100, 1, 32, 32, 16, "scalar", torch.float32, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    do = torch.randn(1, 100, 1, 32, generator=gen).to(DEV)
+    dht = torch.randn(1, 1, 32, 32, generator=gen).to(DEV)
+    kw = dict(scale=0.2, chunk_size=16, BK=32, BV=16, layout=layout)
+    in_step = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, **kw)
+    ahead = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, qdo_ahead=True, **kw)
+    assert launched == ([False, False] if layout == "kv" else [])
+    for name, a, b in zip(("dS1", "Rbar", "dh0"), in_step, ahead):
+        assert torch.equal(a, b), name
 
 
 def test_reverse_state_scan_forming_dv_local_refuses_what_it_does_not_form():

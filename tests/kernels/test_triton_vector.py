@@ -600,19 +600,20 @@ def test_early_gate_row_same_bits(op, policy, monkeypatch):
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_state_block_rows_128_on_the_h200_default(op, policy, monkeypatch):
-    # scan.STATE_BLOCK_ROWS 128 (off; session 37) at K = V = 128, where it changes the launches: the H200 default's
-    # reverse scan (pregated operands under R, fla-core's under A) in one 128-row state block, a tail and strong decay
-    # on half the channels, against the oracle
+    # Schedule.scan_state_rows 128 (off by default; session 37) at K = V = 128, where it changes the launches: the
+    # H200 default's scans (pregated operands under R, fla-core's under A; the forward scan under R) in one 128-row
+    # state block, a tail and strong decay on half the channels, against the oracle
     from rewy_tune.kernels.triton import scan
     from rewy_tune.search_spaces import default_schedule
 
-    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
-    seen = []
+    seen, forward = [], []
     spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel", lambda args, kw, grid: seen.append(kw["KB"]))
+    spy_kernel_launches(monkeypatch, scan, "rewy_fwd_scan_kernel", lambda args, kw, grid: forward.append(kw["KB"]))
     x = make_inputs(op, 1, 100, 2, 128, 128, seed=37, decay="mixed")
-    sched = default_schedule((9, 0), K=128, V=128, op=op, policy=policy).replace(chunk_size=32)
+    sched = default_schedule((9, 0), K=128, V=128, op=op, policy=policy).replace(chunk_size=32, scan_state_rows=128)
     out = run_triton(x, sched, policy)
     assert seen and set(seen) == {128}
+    assert set(forward) == ({128} if policy == "R" else set())  # (policy A takes S0 from the forward)
     assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} 128-row state blocks")
 
 
@@ -1668,16 +1669,13 @@ def test_gpu_state_rowsum_first(op, B, T, H, KV, policy, monkeypatch):
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("B,T,H,KV", [(1, 2048, 16, 128), (2, 2048, 16, 128), (1, 1000, 3, 128), (1, 1000, 4, 256)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_state_block_rows(op, B, T, H, KV, policy, monkeypatch):
-    # scan.STATE_BLOCK_ROWS 128 (off; session 37, written without a GPU): the reverse scan's state in 128-row register
-    # blocks, on each policy's default (split scans, chunk ranges, a tail with strong decay on half the channels,
-    # K = V = 256 in two blocks): the oracle's gate and the same bits run twice
-    from rewy_tune.kernels.triton import scan
-
+def test_gpu_state_block_rows(op, B, T, H, KV, policy):
+    # Schedule.scan_state_rows 128 (off by default; session 37, written without a GPU): the scans' state in 128-row
+    # register blocks, on each policy's default (split scans, chunk ranges, a tail with strong decay on half the
+    # channels, K = V = 256 in two blocks): the oracle's gate and the same bits run twice
     x = make_inputs(op, B, T, H, KV, KV, dtype=torch.bfloat16, device="cuda", seed=T + KV + 37, gate_div=16.0,
                     decay="mixed" if T == 1000 else "normal")
-    s = _gpu_schedule(KV, op, policy=policy)
-    monkeypatch.setattr(scan, "STATE_BLOCK_ROWS", 128)
+    s = _gpu_schedule(KV, op, policy=policy).replace(scan_state_rows=128)
     out = run_triton(x, s, policy)
     ctx = f"gpu {op} {B},{T},{H} K=V={KV} {policy} 128-row state blocks"
     assert_gates(out, oracle(x, device="cuda"), ctx=ctx)
