@@ -10,7 +10,7 @@ the scalar space, which is what callers that predate the vector space get). `rew
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 from rewy_tune.schedule import Schedule
 from rewy_tune.search_spaces import scalar, vector
@@ -31,17 +31,14 @@ def module_for(op: str | None) -> ModuleType:
 
 
 def _op_of(problem_dims: Any, op: str | None) -> str | None:
-    if op is not None:
-        return op
-    if isinstance(problem_dims, Mapping):
-        return problem_dims.get("op")
-    return getattr(problem_dims, "op", None)
+    return op if op is not None else scalar.op_of(problem_dims)
 
 
 def space(K: int = 128, V: int = 128, op: str | None = None, policy: str | None = None) -> dict[str, list[Any]]:
     """Flat parameter name -> choices for the operator's space, head dims K, V, and policy (None: every choice of
-    both policies; the vector space drops what policy R runs as another choice)."""
-    return module_for(op).space(K, V, policy=policy)
+    both policies; the vector space drops what policy R runs as another choice). The scalar space pins what one of
+    its operators does not read (GDN: reverse_scan_qdo)."""
+    return module_for(op).space(K, V, policy=policy, op=op)
 
 
 def conditions(op: str | None = None) -> dict[str, tuple[str, str]]:
@@ -52,7 +49,8 @@ def conditions(op: str | None = None) -> dict[str, tuple[str, str]]:
 def constraint(schedule: Schedule, problem_dims: Any, op: str | None = None) -> list[str]:
     """Reasons the schedule cannot compile or run for the problem (empty: worth a trial), in the operator's
     model. The operator comes from `op` or from problem_dims["op"] (None: scalar)."""
-    return module_for(_op_of(problem_dims, op)).constraint(schedule, problem_dims)
+    op = _op_of(problem_dims, op)
+    return module_for(op).constraint(schedule, problem_dims, op=op)
 
 
 def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: int = 128, V: int = 128,

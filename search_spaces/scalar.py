@@ -7,15 +7,17 @@ combination cannot compile or run well enough to be worth a trial (shared memory
 `default_schedule(compute_capability)` is the built-in schedule per device family.
 
 Members a stage does not read (see `rewy_tune/schedule.py`) are pinned to one value here, so no trial is
-spent on a decorative change: producer.block_k, cumsum.block_k/block_v/num_stages, and `intra` (read only by
-vector-gate operators).
+spent on a decorative change: producer.block_k, cumsum.block_k/block_v/num_stages, `intra` (read only by
+vector-gate operators), `scan_state_rows` where K ≤ 64 (one state block either way) and, for GDN, `reverse_scan_qdo`
+(read by DeltaNet's reverse scan alone: `space(op="gdn")`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rewy_tune.schedule import CONSUMER_RANGES, SPLIT_WAVES, STAGES, Schedule, StageConfig
+from rewy_tune.schedule import (CONSUMER_RANGES, REVERSE_SCAN_QDO, SCAN_STATE_ROWS, SPLIT_WAVES, STAGES, Schedule,
+                                StageConfig)
 
 # Per-block shared-memory limit (bytes) by compute capability (CUDA occupancy tables; H100/H200 = 227 KiB).
 SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
@@ -47,7 +49,10 @@ CONDITIONS: dict[str, tuple[str, str]] = {
     "producer.block_v": ("consumer", "separate"),
     "producer.num_warps": ("consumer", "separate"),
     "producer.num_stages": ("consumer", "separate"),
+    "reverse_scan_qdo": ("reverse_scan_layout", "kv"),  # the transposed scan forms Qᵀ dO in its step
 }
+# Operators whose reverse scan reads Schedule.reverse_scan_qdo (no gate): a gate scales dO's rows first (scan.py)
+QDO_AHEAD_OPS = ("deltanet",)
 
 
 def tma_rows_fit(K: int, V: int) -> bool:
@@ -66,9 +71,11 @@ def _tiles_for(dim: int) -> list[int]:
     return [t for t in TILES + [256] if t <= cap and (dim % t == 0 or t == cap)]
 
 
-def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, list[Any]]:
-    """Flat parameter name -> choices, for head dims K, V. No choice here depends on the policy (checked only)."""
+def space(K: int = 128, V: int = 128, policy: str | None = None, op: str | None = None) -> dict[str, list[Any]]:
+    """Flat parameter name -> choices, for head dims K, V. No choice here depends on the policy (checked only); op
+    ("deltanet", "gdn"; None: either) pins reverse_scan_qdo for GDN, whose gated scan does not read it."""
     check_default_policy(policy)
+    check_scalar_op(op)
     tk, tv = _tiles_for(K), _tiles_for(V)
     scan_k = [max(16, _pow2_ceil(K))]  # the scans hold all K rows of the state tile
     out: dict[str, list[Any]] = {
@@ -96,6 +103,10 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
         # the reverse scan's state as dS or dSᵀ (session 35: the transposed kernel's products read it from registers;
         # not yet timed on a GPU, so the tuner decides)
         "reverse_scan_layout": ["kv", "vk"],
+        # after the layout, which it is conditional on (CONDITIONS). DeltaNet's Qᵀ dO formed a step ahead, and both
+        # scans' state in 128-row blocks, which change code only where K > 64 (session 37, untimed on a GPU)
+        "reverse_scan_qdo": list(REVERSE_SCAN_QDO) if op in (None, *QDO_AHEAD_OPS) else ["in_step"],
+        "scan_state_rows": list(SCAN_STATE_ROWS) if K > 64 else [64],
     }
     stage_tiles = {
         "recompute": (tk, tv), "forward_scan": (scan_k, [t for t in tv if t <= 128]), "dv_local": (tk, tv),
@@ -162,8 +173,15 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
         # per chunk: the [C, BK] dot operands (forward W, K_t; reverse q, k, W), the [C, BV] ones, and the
         # state tile as a dot operand (input dtype)
         est[name] = (n_k * C * bk + 2 * C * cfg.block_v) * e * cfg.num_stages + bk * cfg.block_v * e
+    rs = schedule.reverse_scan
     if schedule.dv_local_source == "scan":  # its q, k tiles again and A_qkᵀ: sm_90, K = 128, BV 32, 3 stages
-        est["reverse_scan"] += 2 * C * max(schedule.reverse_scan.block_k, K) * e + C * C * e  # 176 128 -> 217 088 B
+        est["reverse_scan"] += 2 * C * max(rs.block_k, K) * e + C * C * e  # 176 128 -> 217 088 B
+    if schedule.reverse_scan_qdo == "ahead" and schedule.reverse_scan_layout == "kv":
+        # the next chunk's q tile and a third dO tile, at any depth (DeltaNet A's sm_90 compiles, K = 128, session 37:
+        # BV 32 at 3 stages 176 128 -> 200 704 B, BV 16 161 792 -> 182 272; both forms at 2 stages 143 360 B; with
+        # dv_local_source "scan" 241 664 B at 3 stages, over the H200's limit, and 172 032 at 2, which the two terms
+        # bound). Where the operator has a gate its scan forms Qᵀ dO in its step: an upper bound there.
+        est["reverse_scan"] += C * max(rs.block_k, K) * e + 2 * C * rs.block_v * e
     dl = schedule.dv_local
     est["dv_local"] = max(2 * C * dl.block_k * e * dl.num_stages, C * C * e + C * dl.block_v * e * dl.num_stages)
     pr = schedule.producer
@@ -216,6 +234,8 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
         live += 2 * C * cc.block_v
     out["consumer_cfg"] = live / (32 * cc.num_warps)
     for name in ("forward_scan", "reverse_scan"):
+        # the fp32 state and the [C, BV] correction, in blocks of any rows (scan_state_rows 128 holds the same values:
+        # sm_90, DeltaNet A's reverse scan at BV 32, 4 warps, 104 -> 128 registers, no spills)
         cfg = getattr(schedule, name)
         out[name] = (max(cfg.block_k, K) * cfg.block_v + C * cfg.block_v) / (32 * cfg.num_warps)
     dl = schedule.dv_local
@@ -227,11 +247,13 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
     return out
 
 
-def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
+def constraint(schedule: Schedule, problem_dims: Any, op: str | None = None) -> list[str]:
     """Reasons this schedule cannot compile or run for the problem (empty list: worth a trial).
 
     problem_dims: a mapping or object with K, V and optionally dtype ("bf16" | "fp16" | "fp32"),
-    compute_capability (tuple) or smem_limit (bytes; default 232448 = H100/H200)."""
+    compute_capability (tuple) or smem_limit (bytes; default 232448 = H100/H200) and op. op ("deltanet", "gdn"; default
+    problem_dims' op; None: either): the fields one operator does not read are rejected for it (GDN:
+    reverse_scan_qdo "ahead")."""
     K, V, e, smem_limit = _dims(problem_dims)
     reasons = tile_reasons(schedule, K, V)
     reasons += resource_reasons(shared_memory_estimate(schedule, K, V, e), register_estimate(schedule, K, V),
@@ -241,6 +263,7 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     if schedule.dv_local_source == "scan" and schedule.reverse_scan_layout != "kv":
         reasons.append("dv_local_source 'scan': only the 'kv' reverse scan forms dv_local (reverse_scan_layout "
                        f"{schedule.reverse_scan_layout!r})")
+    reasons += qdo_ahead_reasons(schedule, op if op is not None else op_of(problem_dims))
     if schedule.consumer == "joint_tma" and not tma_rows_fit(K, V):
         reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
                        "multiples of 8 (the pipeline would run the pointer kernel instead)")
@@ -259,6 +282,26 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
 # other GPUs and fp32 inputs compile other paths.
 H200_RECOMPUTE_FAULT = ("Triton 3.6 on sm_90 computes a wrong U there (H200 stage tests, sessions 5-6; every wrong "
                         "H200 campaign schedule of sessions 3-6)")
+
+
+def op_of(problem_dims: Any) -> str | None:
+    """The operator problem_dims names ("op"; None where it names none: the tuner's `search.constraint_violation`
+    always does)."""
+    return problem_dims.get("op") if isinstance(problem_dims, Mapping) else getattr(problem_dims, "op", None)
+
+
+def qdo_ahead_reasons(schedule: Schedule, op: str | None) -> list[str]:
+    """reverse_scan_qdo "ahead" where no reverse scan reads it: the transposed layout, or (op known) a gated operator,
+    whose scan forms Qᵀ dO in its step whatever the field says (a trial would time "in_step" again)."""
+    if schedule.reverse_scan_qdo != "ahead":
+        return []
+    if schedule.reverse_scan_layout != "kv":
+        return ["reverse_scan_qdo 'ahead': only the 'kv' reverse scan forms Qᵀ dO a step ahead (reverse_scan_layout "
+                f"{schedule.reverse_scan_layout!r})"]
+    if op is not None and op not in QDO_AHEAD_OPS:
+        return [f"reverse_scan_qdo 'ahead' is read by DeltaNet's reverse scan alone (no gate): {op}'s gated scan "
+                "forms Qᵀ dO in its step"]
+    return []
 
 
 def compute_capability_of(problem_dims: Any) -> tuple[int, int] | None:
@@ -336,6 +379,12 @@ def check_default_dtype(dtype: str | None) -> None:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} or None (16-bit), got {dtype!r}")
 
 
+def check_scalar_op(op: str | None) -> None:
+    """The scalar space and default serve DeltaNet and GDN (None: either)."""
+    if op not in (None, "deltanet", "gdn"):
+        raise ValueError(f"op must be 'deltanet', 'gdn' or None for the scalar space and default, got {op!r}")
+
+
 def check_default_policy(policy: str | None) -> None:
     """A default may differ per policy (the vector H200 one does): an unknown one would silently get R's."""
     if policy not in (None, "R", "A"):
@@ -355,8 +404,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     tuned schedule."""
     check_default_dtype(dtype)
     check_default_policy(policy)  # the scalar defaults differ by policy in dq_stage alone (DeltaNet, below)
-    if op not in (None, "deltanet", "gdn"):
-        raise ValueError(f"op must be 'deltanet', 'gdn' or None for the scalar default, got {op!r}")
+    check_scalar_op(op)
     kk = max(16, _pow2_ceil(K))
     bk = min(64, kk)
     bv = min(64, max(16, _pow2_ceil(V)))

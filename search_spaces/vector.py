@@ -75,8 +75,6 @@ SCAN_OPERAND_CHOICES = ["inline", "pregated", "forward"]
 CONSUMER_V_STAGE_CHOICES = [1, 2, 3]
 # Row block of the sub-chunk fallback (kernels/triton/vector_local.py SUBCHUNK_ROWS; a test keeps them equal).
 SUBCHUNK_ROWS = 16
-# The scans hold the K rows of the state in register blocks of at most 64 rows (kernels/triton/scan.py).
-STATE_BLOCK_ROWS = 64
 
 __all__ = ["CONDITIONS", "CONSUMER_V_STAGE_CHOICES", "DV_LOCAL_SOURCE_CHOICES", "INTRA_CHOICES",
            "INTRA_PRECISION_CHOICES", "SCAN_OPERAND_CHOICES", "constraint", "default_schedule", "gpu_fault_reasons",
@@ -86,18 +84,22 @@ __all__ = ["CONDITIONS", "CONSUMER_V_STAGE_CHOICES", "DV_LOCAL_SOURCE_CHOICES", 
 # dv_local's feature tile is read only when dv_local recomputes A_qk: with dv_local_source="forward" the tuner does
 # not sample it (each such trial would otherwise have duplicates that differ in an unread field).
 CONDITIONS: dict[str, tuple[str, str]] = {**{n: c for n, c in scalar.CONDITIONS.items()
-                                             if n not in (*scalar.TMA_ONLY_FIELDS, "consumer_k_split")
+                                             if n not in (*scalar.TMA_ONLY_FIELDS, "consumer_k_split",
+                                                          "reverse_scan_qdo")
                                              and not n.startswith("dv_local.")},  # (dv_local runs either way)
                                           "dv_local.block_k": ("dv_local_source", "recompute"),
                                           # the joint vector consumer runs in chunk ranges; the separate one does not
                                           "consumer_ranges": ("consumer", "joint")}
 
 
-def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, list[Any]]:
+def space(K: int = 128, V: int = 128, policy: str | None = None, op: str | None = None) -> dict[str, list[Any]]:
     """Flat parameter name -> choices, for head dims K, V: the scalar space plus `intra`, `intra_precision`,
     `dv_local_source` and the vector cumsum's feature tile. Under policy "R" scan_operands "forward" is left out:
-    nothing is saved for it there and it runs as "pregated", so its trials would repeat those (None: both)."""
+    nothing is saved for it there and it runs as "pregated", so its trials would repeat those (None: both). op ("kda",
+    "gdn2"; None: either) changes no choice: KDA and GDN2 run the same kernels."""
     scalar.check_default_policy(policy)
+    if op not in (None, "kda", "gdn2"):
+        raise ValueError(f"op must be 'kda', 'gdn2' or None for the vector space, got {op!r}")
     # dv_local_source first (it is in the scalar space): the tuner samples in this order and dv_local.block_k is
     # conditional on it
     out = scalar.space(K, V)
@@ -106,6 +108,7 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
     for name in scalar.TMA_ONLY_FIELDS:  # read by joint_tma only
         del out[name]
     del out["reverse_scan_layout"]  # the transposed reverse scan takes scalar gates only
+    del out["reverse_scan_qdo"]  # read by the no-gate (DeltaNet) reverse scan only
     out["intra"] = list(INTRA_CHOICES)
     out["intra_precision"] = list(INTRA_PRECISION_CHOICES)
     out["scan_operands"] = [c for c in SCAN_OPERAND_CHOICES if not (policy == "R" and c == "forward")]
@@ -114,9 +117,15 @@ def space(K: int = 128, V: int = 128, policy: str | None = None) -> dict[str, li
     return out
 
 
-def _state_rows(K: int) -> int:
-    """Rows of the scans' state as compiled: NB blocks of KB = min(64, K rounded up) rows."""
-    kb = min(STATE_BLOCK_ROWS, max(16, _pow2_ceil(K)))
+def _state_block_rows(schedule: Schedule, K: int) -> int:
+    """KB, the rows of one register block of the scans' state as compiled (`scan._scan_state_blocks`): K rounded up
+    to a power of two, at most Schedule.scan_state_rows, and at most 64 where K ≤ 64."""
+    return min(schedule.scan_state_rows if K > 64 else 64, max(16, _pow2_ceil(K)))
+
+
+def _state_rows(schedule: Schedule, K: int) -> int:
+    """Rows of the scans' state as compiled: NB blocks of KB rows (`_state_block_rows`)."""
+    kb = _state_block_rows(schedule, K)
     return -(-K // kb) * kb
 
 
@@ -125,7 +134,7 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     docstring), exact for the largest configurations. e: bytes of the input dtype; the gate G, the state (fp32
     unless state_dtype is "input") and the intra working matrices have their own widths."""
     C = schedule.chunk_size
-    Kp = _state_rows(K)
+    Kp = _state_rows(schedule, K)
     est: dict[str, int] = {}
 
     # recompute_wu: A [C, C] (two dot-operand copies) and the widest [C, BK] / [C, BV] operand; static loops.
@@ -138,7 +147,7 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     # reverse scan's k, qᵀ, Wᵀ (input dtype), G and Gᵀ (fp32), G_n, dO and dv_local [C, BV]. Besides: the
     # current state-block tiles (a [C, KB] fp32 gate block, a [C, Kp] input-dtype tile, the [C, BV] dot
     # operands; the forward scan's fitted 3/2·C·BV·e covers U and R).
-    KB = min(STATE_BLOCK_ROWS, Kp)
+    KB = _state_block_rows(schedule, K)
     fs, rs = schedule.forward_scan, schedule.reverse_scan
     if schedule.scan_operands in ("pregated", "forward"):
         # No [C, K] gate tile: per stage the forward scan's K_tᵀ and W, the reverse scan's K_t, Q_gᵀ and Wᵀ (input
@@ -242,8 +251,9 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
     # loop, so this over-counts the feature loop and stays on the safe side); per feature tile the V loop's
     # three [C, BK] accumulators (P S0ᵀ, dO S0ᵀ, R dS1ᵀ), the three intra results and two elementwise factors.
     out["consumer_cfg"] = (2 * C * C + 8 * C * cc.block_k) / (32 * cc.num_warps)
-    # Scans: the fp32 state block [Kp, BV] and the [C, BV] correction (R or R̄) — as for scalar gates.
-    Kp = _state_rows(K)
+    # Scans: the fp32 state block [Kp, BV] and the [C, BV] correction (R or R̄) — as for scalar gates. (128-row
+    # blocks, scan_state_rows, hold the same values: sm_90, KDA A's reverse scan 212 -> 225 registers, no spills.)
+    Kp = _state_rows(schedule, K)
     for name in ("forward_scan", "reverse_scan"):
         cfg = getattr(schedule, name)
         out[name] = (Kp * cfg.block_v + C * cfg.block_v) / (32 * cfg.num_warps)
@@ -262,10 +272,11 @@ def register_estimate(schedule: Schedule, K: int, V: int) -> dict[str, float]:
     return out
 
 
-def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
+def constraint(schedule: Schedule, problem_dims: Any, op: str | None = None) -> list[str]:
     """Reasons this schedule cannot compile or run for a KDA/GDN2 problem (empty list: worth a trial).
 
-    problem_dims: as for `scalar.constraint` (K, V; optional dtype, compute_capability or smem_limit)."""
+    problem_dims: as for `scalar.constraint` (K, V; optional dtype, compute_capability or smem_limit). op: taken as
+    `scalar.constraint` takes it; KDA and GDN2 share this model."""
     K, V, e, smem_limit = _dims(problem_dims)
     reasons = tile_reasons(schedule, K, V)
     if schedule.consumer == "joint_tma":
@@ -273,6 +284,9 @@ def constraint(schedule: Schedule, problem_dims: Any) -> list[str]:
     if schedule.reverse_scan_layout != "kv":
         reasons.append(f"reverse_scan_layout={schedule.reverse_scan_layout!r}: the transposed reverse scan takes no "
                        "gate or a scalar gate (DeltaNet/GDN); KDA/GDN2 take 'kv'")
+    if schedule.reverse_scan_qdo != "in_step":
+        reasons.append(f"reverse_scan_qdo={schedule.reverse_scan_qdo!r} is read by DeltaNet's reverse scan alone (no "
+                       "gate); KDA/GDN2's scans form Qᵀ dO in their step ('in_step')")
     if schedule.intra not in INTRA_CHOICES:
         reasons.append(f"intra={schedule.intra!r} skips the range guard: exp(ΔG/2) overflows fp32 on strong "
                        f"decays (searched: {INTRA_CHOICES})")

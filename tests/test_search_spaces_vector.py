@@ -153,6 +153,66 @@ def test_scalar_constraint_takes_dv_local_in_the_kv_scan_only():
         scalar.constraint(base.replace(reverse_scan_layout="vk"), H200)
 
 
+def test_scalar_space_offers_the_scan_step_forms_where_a_scan_reads_them():
+    # scan_state_rows changes code only where K > 64; reverse_scan_qdo is read by DeltaNet's "kv" reverse scan alone
+    for K in (32, 64, 100, 128, 256):
+        for op in (None, "deltanet", "gdn"):
+            sp = scalar.space(K, K, op=op)
+            assert sp["scan_state_rows"] == ([64, 128] if K > 64 else [64])
+            assert sp["reverse_scan_qdo"] == (["in_step"] if op == "gdn" else ["in_step", "ahead"])
+            assert list(sp).index("reverse_scan_layout") < list(sp).index("reverse_scan_qdo")  # sampled after it
+    assert scalar.CONDITIONS["reverse_scan_qdo"] == ("reverse_scan_layout", "kv")
+    with pytest.raises(ValueError, match="op must be 'deltanet', 'gdn' or None for the scalar space and default, "
+                                         "got 'kda'"):
+        scalar.space(128, 128, op="kda")
+    ahead = scalar.default_schedule((9, 0), op="deltanet").replace(reverse_scan_qdo="ahead")
+    assert scalar.constraint(ahead, H200) == scalar.constraint(ahead, {**H200, "op": "deltanet"}) == []
+    gdn = "reverse_scan_qdo 'ahead' is read by DeltaNet's reverse scan alone (no gate): gdn's gated scan forms Qᵀ dO"
+    assert any(r.startswith(gdn) for r in scalar.constraint(ahead, {**H200, "op": "gdn"}))
+    assert gdn in search.constraint_violation(ahead, op="gdn", K=128, V=128, compute_capability=(9, 0))
+    assert any(r.startswith(gdn) for r in ss.constraint(ahead, H200, op="gdn"))  # the op by keyword reaches it too
+    assert any(r.startswith(gdn) for r in scalar.constraint(ahead, H200, op="gdn"))
+    assert search.constraint_violation(ahead, op="deltanet", K=128, V=128, compute_capability=(9, 0)) is None
+    assert "reverse_scan_qdo 'ahead': only the 'kv' reverse scan forms Qᵀ dO a step ahead (reverse_scan_layout " \
+           "'vk')" in scalar.constraint(ahead.replace(reverse_scan_layout="vk"), H200)
+    rows = scalar.default_schedule((9, 0), op="gdn").replace(scan_state_rows=128)
+    assert scalar.constraint(rows, {**H200, "op": "gdn"}) == []
+
+
+# DeltaNet A's reverse scan compiled ahead for sm_90 (K = V = 128, bf16; compile_times.py --op deltanet --policy A
+# --kernels rewy_bwd_scan, session 37's table in benchmarks/RESULTS.md and session 38's BV 64 rows): changes to the
+# H200 default's (BV 32, 4 warps, 3 stages), bytes of shared memory. "ahead" holds the next chunk's q tile and a third
+# dO tile; with dv_local formed in the scan as well, 3 stages exceed the H200's 232 448 B.
+STEP_FORMS_SM90 = [
+    ({}, 176128),
+    (dict(scan_state_rows=128), 176128),
+    (dict(reverse_scan_qdo="ahead"), 200704),
+    (dict(scan_state_rows=128, reverse_scan_qdo="ahead"), 200704),
+    (dict(scan_state_rows=128, reverse_scan_qdo="ahead", reverse_scan=StageConfig(128, 32, 4, 2)), 143360),
+    (dict(scan_state_rows=128, reverse_scan=StageConfig(128, 32, 8, 3)), 180224),
+    (dict(scan_state_rows=128, reverse_scan_qdo="ahead", reverse_scan=StageConfig(128, 32, 8, 3)), 204800),
+    (dict(reverse_scan=StageConfig(128, 16, 4, 3)), 161792),
+    (dict(scan_state_rows=128, reverse_scan_qdo="ahead", reverse_scan=StageConfig(128, 16, 4, 3)), 182272),
+    (dict(scan_state_rows=128, reverse_scan=StageConfig(128, 16, 8, 3)), 163840),
+    (dict(dv_local_source="scan"), 217088),
+    (dict(dv_local_source="scan", scan_state_rows=128, reverse_scan_qdo="ahead",
+          reverse_scan=StageConfig(128, 32, 4, 2)), 172032),
+    (dict(dv_local_source="scan", scan_state_rows=128, reverse_scan_qdo="ahead"), 241664),  # over the limit
+    (dict(scan_state_rows=128, reverse_scan=StageConfig(128, 64, 4, 3)), 204800),
+    (dict(scan_state_rows=128, reverse_scan_qdo="ahead", reverse_scan=StageConfig(128, 64, 4, 3)), 237568),  # over
+]
+
+
+@pytest.mark.parametrize("changes, compiled", STEP_FORMS_SM90)
+def test_scalar_estimate_bounds_the_reverse_scan_step_forms(changes, compiled):
+    # an upper bound within 16 KB, and the constraint's verdict is the compile's on the H200
+    sched = scalar.default_schedule((9, 0), op="deltanet", policy="A").replace(**changes)
+    est = scalar.shared_memory_estimate(sched, 128, 128, 2)["reverse_scan"]
+    assert 0 <= est - compiled <= 16384, (changes, est, compiled)
+    rejected = [r for r in scalar.constraint(sched, {**H200, "op": "deltanet"}) if r.startswith("reverse_scan: shared")]
+    assert bool(rejected) == (compiled > 232448), (changes, rejected)
+
+
 def test_scalar_constraint_accepts_the_query_side_stage_on_sm90_16bit():
     # session 34 rejected it there: dk changed from run to run beside the reverse scan (H200, bf16). Session 35 found
     # the cause, a loaded tile left in a one-slot buffer under an asynchronous product (rewy_tune/ir_hazards.py),
@@ -229,6 +289,14 @@ AOT_SM90 = [
     ("reverse_scan", 64, 2, dict(scan_operands="pregated", reverse_scan=StageConfig(64, 64, 4, 3)), 114688),
     ("forward_scan", 128, 2, dict(scan_operands="pregated", state_dtype="input", forward_scan=StageConfig(128, 64, 4, 2)), 98304),
     ("reverse_scan", 128, 2, dict(scan_operands="pregated", state_dtype="input", reverse_scan=StageConfig(128, 64, 4, 2)), 147456),
+    # session 38 (compile_times.py --op kda --kernels scan --schedule FILE): the H200 defaults' scans with
+    # scan_state_rows 128, one 128-row state block: policy A's reverse scan, policy R's two
+    ("reverse_scan", 128, 2, dict(scan_operands="forward", state_dtype="input", scan_state_rows=128,
+                                  reverse_scan=StageConfig(128, 64, 4, 3)), 204800),
+    ("forward_scan", 128, 2, dict(scan_operands="pregated", state_dtype="input", scan_state_rows=128,
+                                  forward_scan=StageConfig(128, 32, 4, 3)), 118784),
+    ("reverse_scan", 128, 2, dict(scan_operands="pregated", state_dtype="input", scan_state_rows=128,
+                                  reverse_scan=StageConfig(128, 32, 4, 2)), 122880),
     # the consumer recompiled in session 26 (compile_times.py --op gdn2 --H 16 --kernels consumer_vector): since session
     # 25 its two V loops take their own depth (consumer_v_stages; 0: the consumer's num_stages, as the loops did
     # before). Recompiled in session 35 (--H 1): ⟨S0, dS1⟩ in a loop of its own and no R tile in phase 1, equal or
@@ -311,12 +379,17 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         # the transposed reverse scan (scalar gates only: the vector constraint rejects it)
         tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage"}
         assert set(scalar.TMA_ONLY_FIELDS) == tma_only
-        assert set(scalar.space(K, V)) - tma_only - {"reverse_scan_layout"} <= set(sp) and not tma_only & set(sp)
-        assert "reverse_scan_layout" not in sp and scalar.space(K, V)["reverse_scan_layout"] == ["kv", "vk"]
+        no_gate_only = {"reverse_scan_layout", "reverse_scan_qdo"}  # scalar-gate (qdo: no-gate) reverse scan forms
+        assert set(scalar.space(K, V)) - tma_only - no_gate_only <= set(sp) and not tma_only & set(sp)
+        assert not no_gate_only & set(sp) and scalar.space(K, V)["reverse_scan_layout"] == ["kv", "vk"]
         dims = {"K": K, "V": V, "dtype": "bf16", "compute_capability": (9, 0)}
         assert any("the transposed reverse scan takes no gate or a scalar gate" in r
                    for r in vector.constraint(base.replace(reverse_scan_layout="vk"), dims))
-        assert not tma_only & set(vector.CONDITIONS)
+        assert any("reverse_scan_qdo='ahead' is read by DeltaNet's reverse scan alone" in r
+                   for r in vector.constraint(base.replace(reverse_scan_qdo="ahead"), dims))
+        # both scans read scan_state_rows, at K > 64 only
+        assert sp["scan_state_rows"] == ([64, 128] if K > 64 else [64])
+        assert not (tma_only | no_gate_only) & set(vector.CONDITIONS)
         # both vector consumers read consumer_k_split; of the scalar ones only joint_tma does
         assert "consumer_k_split" in sp and "consumer_k_split" not in vector.CONDITIONS
         assert scalar.CONDITIONS["consumer_k_split"] == ("consumer", "joint_tma")
@@ -496,7 +569,8 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
             a = default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
             assert a == default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R") and a.dq_stage == "consumer"
     assert scalar.constraint(dn_a, H200) == []
-    with pytest.raises(ValueError, match="op must be 'deltanet', 'gdn' or None for the scalar default, got 'kda'"):
+    with pytest.raises(ValueError, match="op must be 'deltanet', 'gdn' or None for the scalar space and default, "
+                                         "got 'kda'"):
         scalar.default_schedule((9, 0), op="kda")
     for bad in ("B", "a", ""):
         with pytest.raises(ValueError, match=r"policy must be 'R', 'A' or None, got"):
@@ -578,7 +652,8 @@ def test_policy_r_space_leaves_out_the_forward_scan_operands():
         assert r["scan_operands"] == ["inline", "pregated"]
         assert {n: c for n, c in r.items() if n != "scan_operands"} == {n: c for n, c in a.items()
                                                                         if n != "scan_operands"}
-        assert ss.space(K, K, op="kda", policy="R") == r and ss.space(K, K, op="gdn", policy="R") == scalar.space(K, K)
+        assert ss.space(K, K, op="kda", policy="R") == r
+        assert ss.space(K, K, op="gdn", policy="R") == scalar.space(K, K, op="gdn")
     for policy in ("R", "A"):
         choices, _ = search.declarative_space("gdn2", 128, 128, False, policy)
         assert ("forward" in choices["scan_operands"]) == (policy == "A")
@@ -601,7 +676,8 @@ def test_package_dispatches_on_the_operator():
     with pytest.raises(ValueError, match="op must be one of"):
         ss.module_for("mamba")
     assert ss.space(128, 128, op="gdn2") == vector.space(128, 128)
-    assert ss.space(128, 128, op="gdn") == scalar.space(128, 128) == ss.space(128, 128)
+    assert ss.space(128, 128, op="gdn") == scalar.space(128, 128, op="gdn")
+    assert ss.space(128, 128, op="deltanet") == scalar.space(128, 128) == ss.space(128, 128)
     assert ss.conditions("kda") == vector.CONDITIONS and ss.conditions() == ss.CONDITIONS
     # callers without an operator (dispatch.py, triton_function.py) keep the scalar default
     assert ss.default_schedule((9, 0)) == scalar.default_schedule((9, 0))
@@ -639,6 +715,10 @@ def test_tuner_suggest_path_samples_the_vector_space_for_kda_and_gdn2_only():
         assert {s.dv_local_source for s, _ in sampled} <= {"recompute", "scan"}  # the scalar space's two
         # the dv_local stage's fields are sampled only where it runs
         assert all(("dv_local.block_v" in p) == (s.dv_local_source == "recompute") for s, p in sampled)
+        # DeltaNet's reverse scan reads reverse_scan_qdo in the "kv" layout; GDN's never: pinned "in_step"
+        assert all(("reverse_scan_qdo" in p) == (op == "deltanet" and s.reverse_scan_layout == "kv")
+                   for s, p in sampled)
+        assert op == "deltanet" or {s.reverse_scan_qdo for s, _ in sampled} == {"in_step"}
     # the interpreter demo keeps the vector choices (tiles capped at 32)
     # and pins the V loops' depth (the interpreter does not pipeline: samples there would time the same code)
     for s, p in _sample("kda", n=4, interpreter=True):
