@@ -270,10 +270,14 @@ def variants_for(op: str, base):
                            ("bscan-bv16", None, {"block_v": 16}),
                            ("scans-fla", {"block_v": 32, "num_stages": 4}, {"block_v": 32, "num_stages": 3})):
         out[name] = base.replace(**{k: v for k, v in (("forward_scan", fwd), ("reverse_scan", bwd)) if v})
-    # session 37 (untimed; Schedule.scan_state_rows, scan.py): the state (both scans, every gate form) in one 128-row
-    # register block at K = 128, three products a reverse chunk step instead of six; also with 16-wide value tiles
-    # (twice the programs), 2 stages and 8 warps
-    rows128 = base.replace(scan_state_rows=128)
+    # session 37's step forms (Schedule.scan_state_rows, reverse_scan_qdo; scan.py), named as absolute forms: from the
+    # 64-row, in-step scan ("rows64-in-step", the default through session 37; DeltaNet's since session 38 takes 128
+    # rows, and "split" under A). The state (both scans, every gate form) in one 128-row register block at K = 128,
+    # three products a reverse chunk step instead of six; also with 16-wide value tiles (twice the programs), 2 stages
+    # and 8 warps
+    plain = base.replace(scan_state_rows=64, reverse_scan_qdo="in_step")
+    out["rows64-in-step"] = plain
+    rows128 = plain.replace(scan_state_rows=128)
     out["rows128"] = rows128
     out["rows128-bv16"] = rows128.replace(reverse_scan={"block_v": 16})
     out["rows128-s2"] = rows128.replace(reverse_scan={"num_stages": 2})
@@ -284,7 +288,8 @@ def variants_for(op: str, base):
         # 429 instructions a step and 7 CTA barriers, 16-wide tiles 435 and 5, against the 4-warp 32-wide 586 and 9;
         # 2 stages leave room beside a scan CTA for the query-side stage's
         ahead = rows128.replace(reverse_scan_qdo="ahead")
-        out["qdo-ahead"] = base.replace(reverse_scan_qdo="ahead")
+        out["qdo-ahead"] = plain.replace(reverse_scan_qdo="ahead")
+        out["rows128-qdo-split"] = rows128.replace(reverse_scan_qdo="split")  # ahead where the reverse scan splits
         out["rows128-qdo-ahead"] = ahead
         out["rows128-qdo-ahead-w8"] = ahead.replace(reverse_scan={"num_warps": 8})
         out["rows128-qdo-ahead-bv16"] = ahead.replace(reverse_scan={"block_v": 16})

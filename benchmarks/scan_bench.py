@@ -29,7 +29,7 @@ HEADS = (4, 16)
 # (name, gate, BV, warps, stages, state dtype, dv_local in the scan[, options]): options a tuple of (name, value),
 # ("early", False) for scan.EARLY_GATE_ROW off, ("layout", "vk") for the transposed state
 # (Schedule.reverse_scan_layout), ("rows", 128) for state_rows=128 (Schedule.scan_state_rows: one 128-row state block
-# at K = 128), ("ahead", True) for qdo_ahead=True (Schedule.reverse_scan_qdo "ahead": DeltaNet's Qᵀ dO formed a step
+# at K = 128), ("ahead", True) for qdo="ahead" (Schedule.reverse_scan_qdo "ahead": DeltaNet's Qᵀ dO formed a step
 # ahead), ("qk", True) for dv_local formed in the scan from q and k (dv_local_from_qk).
 # The KDA/GDN2 policy-A default (session 32's, with fp32 states) first; session 33's first call timed these before
 # EARLY_GATE_ROW
@@ -120,7 +120,7 @@ def _scan_fn(cfg, x):
     kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=BV, num_warps=warps, num_stages=stages,
               state_dtype=torch.float32 if state == "fp32" else torch.bfloat16, num_segments=1,
               layout=opts.get("layout", "kv"), dv_local_from_qk=opts.get("qk", False),
-              state_rows=opts.get("rows", 64), qdo_ahead=opts.get("ahead", False))
+              state_rows=opts.get("rows", 64), qdo="ahead" if opts.get("ahead", False) else "in_step")
     if gate == "kda":
         kw.update(pregated=True, q_scaled=False, gate_log2=True)
     dvl, aqk = (None, x["aqk"]) if in_scan else (None, None) if kw["dv_local_from_qk"] else (x["dvl"], None)

@@ -84,10 +84,14 @@ product waits, 104 -> 128 registers; KDA/GDN2 A 7 -> 4, 212 -> 225 registers; th
 chunk step's Qᵀ dO within the step; "ahead" forms it at the end of the step before, from a zero accumulator and the
 q and dO tiles as loaded, so Triton 3.6 waits for it at the next step's first product instead of before −Wᵀ R̄
 (with dv_local_source "scan" the next step's dv_local too). The same sums in another order; a third dO tile and the
-next chunk's q tile in shared memory (sm_90, K = 128, BV 32, 3 stages: 176 128 -> 200 704 B). GDN, KDA and GDN2
-(a gate scales dO's rows first, and Triton then waits for the product at once) and the "vk" layout run "in_step"
-whatever the value; the search spaces offer "ahead" to DeltaNet alone and the constraints reject it where they know
-the operator is gated. Both fields were written without a GPU (session 37); the defaults keep 64 rows, "in_step".
+next chunk's q tile in shared memory (sm_90, K = 128, BV 32, 3 stages: 176 128 -> 200 704 B). "split" is "ahead"
+where the scan splits along the sequence (reverse_scan_segments; its segments then run side by side and nothing
+beside them) and "in_step" where it runs whole: there, under policy A, the query-side stage and the consumer ranges
+run beside it, and a 200 KB scan CTA leaves no room for their CTAs on its SM (session 38, H100: "ahead" 4-6 % faster
+at B·H = 4, 4 % slower at B·H ≥ 16). GDN, KDA and GDN2 (a gate scales dO's rows first, and Triton then waits for the
+product at once) and the "vk" layout run "in_step" whatever the value; the search spaces offer "ahead" and "split"
+to DeltaNet alone and the constraints reject them where they know the operator is gated. DeltaNet's sm_90 default
+takes 128 rows under both policies and "split" under A (session 38, H100 sweeps; RESULTS.md).
 """
 
 from __future__ import annotations
@@ -109,7 +113,9 @@ CONSUMER_K_SPLITS = (0, 1, 2, 4)  # 0: "auto", chosen from the consumer's grid (
 CONSUMER_RANGES = (0, 1, 2, 4, 8)  # the consumer's chunk ranges (0: "auto", pipeline.consumer_range_count)
 CONSUMER_V_STAGES = (0, 1, 2, 3)  # pipeline depth of the vector consumers' V loops (0: consumer_cfg.num_stages)
 SCAN_STATE_ROWS = (64, 128)  # rows per register block of the scans' state (kernels/triton/scan.py)
-REVERSE_SCAN_QDO = ("in_step", "ahead")  # when the no-gate reverse scan forms a chunk step's Qᵀ dO (scan.py)
+# when the no-gate reverse scan forms a chunk step's Qᵀ dO (scan.py): in the step, the step before, or the step before
+# only where the scan splits along the sequence
+REVERSE_SCAN_QDO = ("in_step", "ahead", "split")
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -201,6 +207,7 @@ class Schedule:
     reverse_scan_layout: str = "kv"  # scalar gates: the reverse scan's state as dS [K, BV] or transposed, dSᵀ [BV, K]
     scan_state_rows: int = 64  # both scans: rows per register block of the state (changes code only where K > 64)
     reverse_scan_qdo: str = "in_step"  # DeltaNet's reverse scan: Qᵀ dO formed in its chunk step, or the step before
+    # ("ahead"; "split": where the scan splits)
 
     def __post_init__(self) -> None:
         # integer choices: an int of the listed values (1.0 or True compare equal to 1, and would reach the kernels)

@@ -176,7 +176,7 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     rs = schedule.reverse_scan
     if schedule.dv_local_source == "scan":  # its q, k tiles again and A_qkᵀ: sm_90, K = 128, BV 32, 3 stages
         est["reverse_scan"] += 2 * C * max(rs.block_k, K) * e + C * C * e  # 176 128 -> 217 088 B
-    if schedule.reverse_scan_qdo == "ahead" and schedule.reverse_scan_layout == "kv":
+    if schedule.reverse_scan_qdo != "in_step" and schedule.reverse_scan_layout == "kv":  # ("split": where it splits)
         # the next chunk's q tile and a third dO tile, at any depth (DeltaNet A's sm_90 compiles, K = 128, session 37:
         # BV 32 at 3 stages 176 128 -> 200 704 B, BV 16 161 792 -> 182 272; both forms at 2 stages 143 360 B; with
         # dv_local_source "scan" 241 664 B at 3 stages, over the H200's limit, and 172 032 at 2, which the two terms
@@ -291,15 +291,16 @@ def op_of(problem_dims: Any) -> str | None:
 
 
 def qdo_ahead_reasons(schedule: Schedule, op: str | None) -> list[str]:
-    """reverse_scan_qdo "ahead" where no reverse scan reads it: the transposed layout, or (op known) a gated operator,
-    whose scan forms Qᵀ dO in its step whatever the field says (a trial would time "in_step" again)."""
-    if schedule.reverse_scan_qdo != "ahead":
+    """reverse_scan_qdo "ahead" or "split" where no reverse scan reads it: the transposed layout, or (op known) a gated
+    operator, whose scan forms Qᵀ dO in its step whatever the field says (a trial would time "in_step" again)."""
+    qdo = schedule.reverse_scan_qdo
+    if qdo == "in_step":
         return []
     if schedule.reverse_scan_layout != "kv":
-        return ["reverse_scan_qdo 'ahead': only the 'kv' reverse scan forms Qᵀ dO a step ahead (reverse_scan_layout "
+        return [f"reverse_scan_qdo {qdo!r}: only the 'kv' reverse scan forms Qᵀ dO a step ahead (reverse_scan_layout "
                 f"{schedule.reverse_scan_layout!r})"]
     if op is not None and op not in QDO_AHEAD_OPS:
-        return [f"reverse_scan_qdo 'ahead' is read by DeltaNet's reverse scan alone (no gate): {op}'s gated scan "
+        return [f"reverse_scan_qdo {qdo!r} is read by DeltaNet's reverse scan alone (no gate): {op}'s gated scan "
                 "forms Qᵀ dO in its step"]
     return []
 
@@ -410,6 +411,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     bv = min(64, max(16, _pow2_ceil(V)))
     if compute_capability is not None and tuple(compute_capability) == (9, 0):
         tma = tma_rows_fit(K, V) and not vector_gates
+        deltanet_a = tma and op == "deltanet" and policy == "A" and dtype != "fp32"
         # FLA's picks for both scans (32-wide value tiles; 4 stages forward, 3 reverse). Session 13 sweep,
         # (2, 2048, 16): reverse 77 -> 55 µs (GDN). Session 14, once the forward loop matched FLA's (U added after
         # the W·S products, S as stored): forward 55.8 -> 37.5 µs (DeltaNet), 59.7 -> 43.5 µs (GDN). With fp32
@@ -469,7 +471,16 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # asynchronous product (rewy_tune/ir_hazards.py), removed in session 35: the H200's race tests pass, and
             # `rewy-tune bench --op deltanet --policy A` went 1.203 -> 1.283x FLA, every shape faster (RESULTS.md).
             # GDN is not timed with it yet; R runs the reverse scan beside the forward scan.
-            dq_stage="separate" if tma and op == "deltanet" and policy == "A" and dtype != "fp32" else "consumer",
+            dq_stage="separate" if deltanet_a else "consumer",
+            # DeltaNet at K = 128: both scans hold the state in one 128-row register block (three waited products a
+            # reverse step instead of six, two a forward step instead of four). Session 38 sweeps on an H100 (no H200
+            # came; RESULTS.md): A every shape but one faster or level, 3-5 % at B·H = 4; R 5-6 % at (1, 2048, 4) and
+            # (1, 8192, 4). GDN is not timed with it in a whole backward yet.
+            scan_state_rows=128 if op == "deltanet" and wide_scans and kk == 128 else 64,
+            # DeltaNet A: Qᵀ dO formed a step ahead where the reverse scan splits (B·H = 4: 4-6 % with the 128-row
+            # blocks), in its step where the scan runs whole beside the query-side stage and the consumer ranges,
+            # whose CTAs a 200 KB scan CTA keeps off its SM ("ahead" lost 4 % there). Session 38, H100.
+            reverse_scan_qdo="split" if deltanet_a and kk == 128 else "in_step",
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

@@ -159,7 +159,7 @@ def test_scalar_space_offers_the_scan_step_forms_where_a_scan_reads_them():
         for op in (None, "deltanet", "gdn"):
             sp = scalar.space(K, K, op=op)
             assert sp["scan_state_rows"] == ([64, 128] if K > 64 else [64])
-            assert sp["reverse_scan_qdo"] == (["in_step"] if op == "gdn" else ["in_step", "ahead"])
+            assert sp["reverse_scan_qdo"] == (["in_step"] if op == "gdn" else ["in_step", "ahead", "split"])
             assert list(sp).index("reverse_scan_layout") < list(sp).index("reverse_scan_qdo")  # sampled after it
     assert scalar.CONDITIONS["reverse_scan_qdo"] == ("reverse_scan_layout", "kv")
     with pytest.raises(ValueError, match="op must be 'deltanet', 'gdn' or None for the scalar space and default, "
@@ -188,6 +188,7 @@ STEP_FORMS_SM90 = [
     (dict(scan_state_rows=128), 176128),
     (dict(reverse_scan_qdo="ahead"), 200704),
     (dict(scan_state_rows=128, reverse_scan_qdo="ahead"), 200704),
+    (dict(scan_state_rows=128, reverse_scan_qdo="split"), 200704),  # (session 38's DeltaNet A default) where it splits
     (dict(scan_state_rows=128, reverse_scan_qdo="ahead", reverse_scan=StageConfig(128, 32, 4, 2)), 143360),
     (dict(scan_state_rows=128, reverse_scan=StageConfig(128, 32, 8, 3)), 180224),
     (dict(scan_state_rows=128, reverse_scan_qdo="ahead", reverse_scan=StageConfig(128, 32, 8, 3)), 204800),
@@ -206,7 +207,10 @@ STEP_FORMS_SM90 = [
 @pytest.mark.parametrize("changes, compiled", STEP_FORMS_SM90)
 def test_scalar_estimate_bounds_the_reverse_scan_step_forms(changes, compiled):
     # an upper bound within 16 KB, and the constraint's verdict is the compile's on the H200
-    sched = scalar.default_schedule((9, 0), op="deltanet", policy="A").replace(**changes)
+    # (from session 37's forms, 64-row blocks and Qᵀ dO in step, as the table's compiles were)
+    base = scalar.default_schedule((9, 0), op="deltanet", policy="A").replace(scan_state_rows=64,
+                                                                               reverse_scan_qdo="in_step")
+    sched = base.replace(**changes)
     est = scalar.shared_memory_estimate(sched, 128, 128, 2)["reverse_scan"]
     assert 0 <= est - compiled <= 16384, (changes, est, compiled)
     rejected = [r for r in scalar.constraint(sched, {**H200, "op": "deltanet"}) if r.startswith("reverse_scan: shared")]
@@ -557,12 +561,17 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):
             assert (vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
                     == vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R"))
-    # the scalar defaults: the same under both policies but for DeltaNet's query-side stage under A on Hopper with
-    # 16-bit inputs (session 35); the generic and fp32 defaults, and GDN's, do not differ
+    # the scalar defaults: the same under both policies but for DeltaNet's query-side stage (session 35) and its Qᵀ dO
+    # a step ahead where the reverse scan splits (session 38) under A on Hopper with 16-bit inputs; DeltaNet's take
+    # 128-row state blocks there under both (session 38); the generic and fp32 defaults, and GDN's, do not differ
     dn_a = default_schedule((9, 0), op="deltanet", policy="A")
     dn_r = default_schedule((9, 0), op="deltanet", policy="R")
-    assert (dn_a.dq_stage, dn_r.dq_stage) == ("separate", "consumer") and dn_a == dn_r.replace(dq_stage="separate")
-    assert dn_r == default_schedule((9, 0), op="deltanet") == default_schedule((9, 0), op="gdn", policy="A")
+    assert (dn_a.dq_stage, dn_r.dq_stage) == ("separate", "consumer")
+    assert (dn_a.reverse_scan_qdo, dn_r.reverse_scan_qdo) == ("split", "in_step")
+    assert dn_a == dn_r.replace(dq_stage="separate", reverse_scan_qdo="split")
+    assert dn_r.scan_state_rows == 128 and default_schedule((9, 0), op="gdn").scan_state_rows == 64
+    assert dn_r == default_schedule((9, 0), op="deltanet")
+    assert dn_r.replace(scan_state_rows=64) == default_schedule((9, 0), op="gdn", policy="A")
     assert default_schedule((9, 0), op="gdn", policy="A") == default_schedule((9, 0), op="gdn", policy="R")
     for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 100), (None, None, 128)):
         for op in ("deltanet", "gdn"):  # (K = 100: the pointer consumer, which has no query-side stage)

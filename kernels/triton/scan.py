@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rewy_tune.schedule import REVERSE_SCAN_LAYOUTS, SCAN_STATE_ROWS
+from rewy_tune.schedule import REVERSE_SCAN_LAYOUTS, REVERSE_SCAN_QDO, SCAN_STATE_ROWS
 
 from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
@@ -491,7 +491,7 @@ def rewy_bwd_scan_kernel(
     #          kernel's programmatic dependent, and may start once every program of this grid has started
     #          (griddepcontrol.launch_dependents here): a consumer CTA that waits never holds an SM a scan program
     #          still needs.
-    # QDO_AHEAD (no gate; `reverse_state_scan(qdo_ahead=True)`): each step adds s·Qᵀ dO, whose products the step
+    # QDO_AHEAD (no gate; `reverse_state_scan(qdo="ahead")`): each step adds s·Qᵀ dO, whose products the step
     #          before formed for its chunk (b_x0 .. b_x3), and forms the next step's at its end from a zero
     #          accumulator and the loaded q and dO tiles: Triton then waits for them at the next step's first product,
     #          not before this one's −WᵀR̄. With HAS_DVL 3 the same for dv_local (b_dvl, from A_qk as a register
@@ -1199,7 +1199,7 @@ def reverse_state_scan_ranges(
     layout: str = "kv",
     dv_local_from_qk: bool = False,
     state_rows: int = 64,
-    qdo_ahead: bool = False,
+    qdo: str = "in_step",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Iterator[tuple[int, int]]]:
     """Reverse state scan (§4), a range of chunks at a time (Schedule.consumer_ranges). Returns its outputs, dS1 per
     chunk [B,NT,H,K,V] in state_dtype, R̄ [B,T,H,V] in do's dtype and dh0 [B,H,K,V] fp32 (None when want_dh0 is
@@ -1235,12 +1235,13 @@ def reverse_state_scan_ranges(
     scan's transfer pass and combine run the "kv" kernel either way.
     state_rows (Schedule.scan_state_rows): the "kv" kernel's state blocks hold up to 64 or 128 rows
     (`_scan_state_blocks`; the same code where K ≤ 64). The "vk" kernel takes its own blocks.
-    qdo_ahead (Schedule.reverse_scan_qdo "ahead"; no gate, "kv" layout): each chunk step's Qᵀ dO (with
+    qdo (Schedule.reverse_scan_qdo; no gate, "kv" layout): "ahead" forms each chunk step's Qᵀ dO (with
     dv_local_from_qk its dv_local too) is formed at the end of the step before, from the q and dO tiles as loaded, so
     that Triton waits for those products at the next step's first one rather than before −Wᵀ R̄ (the "kv" loop
     waits for every product at once, Triton 3.6 on sm_90). The same sums in another order. A gate scales dO's rows
     first, and Triton then waits for the product at once (its operand staged from registers): with a gate, and in
-    the "vk" layout, the step forms its own, as with qdo_ahead False.
+    the "vk" layout, the step forms its own, as with "in_step". "split": "ahead" where the scan splits along the
+    sequence (`_segments` gives more than one segment), "in_step" where it runs whole.
     """
     B, T, H, K = k.shape
     V = do.shape[-1]
@@ -1263,8 +1264,8 @@ def reverse_state_scan_ranges(
                          "dv_local or none: not a vector gate, aqk= or progress=")
     if not isinstance(gate_log2, bool):
         raise TypeError(f"gate_log2 must be a bool, got {type(gate_log2).__name__}")
-    if not isinstance(qdo_ahead, bool):
-        raise TypeError(f"qdo_ahead must be a bool (True: Qᵀ dO formed a step ahead), got {type(qdo_ahead).__name__}")
+    if qdo not in REVERSE_SCAN_QDO:
+        raise ValueError(f"qdo must be one of {REVERSE_SCAN_QDO} (when a chunk step's Qᵀ dO is formed), got {qdo!r}")
     _check_state_rows(state_rows)
     if gate_log2 and not pregated:
         raise ValueError("gate_log2=True: only a pregated scan reads G's last rows alone; pass pregated=True with it")
@@ -1294,7 +1295,7 @@ def reverse_state_scan_ranges(
     KB, NB = _scan_state_blocks(K, state_rows)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
-                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=qdo_ahead and code == 0,
+                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=code == 0 and (qdo == "ahead" or (qdo == "split" and NS > 1)),
                   num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     if progress is not None:

@@ -548,12 +548,12 @@ def test_scans_side_by_side_split_on_half_the_sms(mode, waves, limit, monkeypatc
 
 
 @pytest.mark.parametrize("dvl", ["recompute", "scan"])
-@pytest.mark.parametrize("rows,ahead", [(128, False), (64, True), (128, True)])
+@pytest.mark.parametrize("rows,qdo", [(128, "in_step"), (64, "ahead"), (128, "ahead"), (128, "split")])
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
-def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, dvl, monkeypatch):
-    # Schedule.scan_state_rows 128 and reverse_scan_qdo "ahead" (off by default; session 37) at K = V = 128, where
-    # they change the launches: the H200 default (DeltaNet A: the query-side stage beside the scan), also with
+def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, qdo, dvl, monkeypatch):
+    # Schedule.scan_state_rows 128 and reverse_scan_qdo "ahead" or "split" (session 37; DeltaNet's default takes 128
+    # rows since session 38, and "split" under A) at K = V = 128, where they change the launches: the H200 default (DeltaNet A: the query-side stage beside the scan), also with
     # dv_local formed in the scan (dv_local_source "scan", with "ahead" a step ahead too), with a tail, initial state
     # and zero β on half the sequence, against the oracle; every scan launch in that form ("ahead": no gate only, GDN's
     # scan forms Qᵀ dO in its step; the forward scan, policy R, in 128-row blocks too)
@@ -564,13 +564,22 @@ def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, ahead, dv
     spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel",
                         lambda args, kw, grid: seen.add((kw["KB"], kw["QDO_AHEAD"])))
     spy_kernel_launches(monkeypatch, scan, "rewy_fwd_scan_kernel", lambda args, kw, grid: forward.add(kw["KB"]))
-    x = make_inputs(op, 1, 100, 2, 128, 128, seed=37, beta_zero=True)
+    split = []  # the reverse scan's segment combine: launched where it splits ("split" is "ahead" there)
+    spy_kernel_launches(monkeypatch, scan, "rewy_segment_combine_carry_kernel",
+                        lambda args, kw, grid: split.append(kw["REVERSE"]) if kw["REVERSE"] else None)
+    # ("split": T = 300, 10 chunks, and no occupancy limit on the split, which the interpreter's 8 SMs would keep from it)
+    x = make_inputs(op, 1, 100 if qdo != "split" else 300, 2, 128, 128, seed=37, beta_zero=True)
     sched = default_schedule((9, 0), op=op, policy=policy).replace(
-        chunk_size=32, dv_local_source=dvl, scan_state_rows=rows, reverse_scan_qdo="ahead" if ahead else "in_step")
+        chunk_size=32, dv_local_source=dvl, scan_state_rows=rows, reverse_scan_qdo=qdo)
+    if qdo == "split":
+        sched = sched.replace(scan_split_waves=0)
     out = run_triton(x, sched, policy)
-    assert seen == {(rows, ahead and op == "deltanet")}
+    ahead = op == "deltanet" and (qdo == "ahead" or (qdo == "split" and bool(split)))
+    assert seen == {(rows, ahead)}
+    if qdo == "split":
+        assert split
     assert forward == ({rows} if policy == "R" else set())  # (policy A takes S0 from the forward)
-    assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} rows {rows} ahead {ahead}")
+    assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} rows {rows} qdo {qdo}")
 
 
 @pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
@@ -1314,7 +1323,8 @@ def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
     # wgmma there) at 4. "dv_local_in_scan": Schedule.dv_local_source "scan" (session 36), no dv_local stage, the
     # reverse scan's chunk steps form A_qk and dv_local, on each policy's default (DeltaNet A: the query-side stage)
     # with its consumer ranges and split scans. "step_forms": Schedule.scan_state_rows 128 and reverse_scan_qdo
-    # "ahead" (session 37, written without a GPU) on each policy's default, alone, together, and together at 8 warps.
+    # "ahead" (session 37) from each policy's default with 64-row blocks in step (session 37's), alone, together,
+    # together at 8 warps, and 128 rows with "split" (DeltaNet A's default since session 38).
     # The bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
     from rewy_tune.search_spaces import default_schedule
 
@@ -1328,10 +1338,12 @@ def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
     elif variant == "dv_local_in_scan":
         schedules = {"dv_local in the scan": default.replace(dv_local_source="scan")}
     else:
-        both = default.replace(scan_state_rows=128, reverse_scan_qdo="ahead")
-        schedules = {"128-row state": default.replace(scan_state_rows=128),
-                     "Qᵀ dO ahead": default.replace(reverse_scan_qdo="ahead"), "both": both,
-                     "both, 8 warps": both.replace(reverse_scan={"num_warps": 8})}
+        plain = default.replace(scan_state_rows=64, reverse_scan_qdo="in_step")
+        both = plain.replace(scan_state_rows=128, reverse_scan_qdo="ahead")
+        schedules = {"64-row state": plain, "128-row state": plain.replace(scan_state_rows=128),
+                     "Qᵀ dO ahead": plain.replace(reverse_scan_qdo="ahead"), "both": both,
+                     "both, 8 warps": both.replace(reverse_scan={"num_warps": 8}),
+                     "128-row state, ahead where split": plain.replace(scan_state_rows=128, reverse_scan_qdo="split")}
     for name, s in schedules.items():
         out = run_triton(x, s, policy)
         ctx = f"gpu {op} {B},{T},{H} {policy} {name}"

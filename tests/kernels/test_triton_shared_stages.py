@@ -399,7 +399,7 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("rows,ahead", [(128, False), (64, True), (128, True)])
+@pytest.mark.parametrize("rows,qdo", [(128, "in_step"), (64, "ahead"), (128, "ahead"), (128, "split")])
 @pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
 @pytest.mark.parametrize("B,T,H,K,V,C,BV,with_state,num_segments,dvl,dtype", [
     (1, 130, 2, 128, 48, 32, 16, True, 1, "read", torch.float32),  # one 128-row block, a tail, V not a multiple of BV
@@ -409,10 +409,10 @@ def test_reverse_state_scan_forms_dv_local(B, T, H, K, V, C, BV, with_state, num
     (1, 130, 1, 128, 64, 32, 32, True, 1, "qk", torch.bfloat16),  # dv_local formed in the scan, 16-bit products
 ])
 def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV, with_state, num_segments, dvl,
-                                                            dtype, gate, rows, ahead, monkeypatch):
+                                                            dtype, gate, rows, qdo, monkeypatch):
     # Two loop forms of the reverse scan (off by default; session 37): state_rows=128 (Schedule.scan_state_rows) holds
-    # the state in register blocks of up to 128 rows (every gate form); qdo_ahead=True (Schedule.reverse_scan_qdo
-    # "ahead"; no gate) forms each step's Qᵀ dO in the step before. Against the float64 scan on outputs poisoned with
+    # the state in register blocks of up to 128 rows (every gate form); qdo="ahead" (Schedule.reverse_scan_qdo; no
+    # gate) forms each step's Qᵀ dO in the step before, and "split" does so only where the scan splits. Against the float64 scan on outputs poisoned with
     # NaN, every launch in that form (the split's combine keeps its own blocks), and its chunk ranges give the bits of
     # one launch (each range forms its first step's)
     from rewy_tune.kernels.triton import scan
@@ -432,12 +432,13 @@ def test_reverse_state_scan_in_128_row_blocks_or_q_do_ahead(B, T, H, K, V, C, BV
     dht = torch.randn(B, H, K, V, generator=gen).to(DEV) if with_state else None
     scale = K ** -0.5
     kw = dict(scale=scale, chunk_size=C, BK=triton.next_power_of_2(K), BV=BV, num_warps=4, num_stages=2,
-              want_dh0=True, dv_local_from_qk=dvl == "qk", state_rows=rows, qdo_ahead=ahead)
+              want_dh0=True, dv_local_from_qk=dvl == "qk", state_rows=rows, qdo=qdo)
     with poison_allocations():
         dS1, Rb, dh0 = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, dv, dht, num_segments=num_segments,
                                           **kw)
     # (the step ahead forms dO's products unscaled: DeltaNet's alone, a gate's scan forms them in its step)
-    assert launched and set(launched) == {(rows if K > 64 else 64, ahead and gate == "none")}
+    ahead = gate == "none" and (qdo == "ahead" or (qdo == "split" and num_segments > 1))
+    assert launched and set(launched) == {(rows if K > 64 else 64, ahead)}
     assert combined == ([64] if num_segments > 1 else [])  # (the split's combine: 64-row blocks whatever the scan's)
     ref_dvl = ref_dv_local(s["q"], s["k"], s["G"], do, scale, C) if dvl == "qk" else dv
     dr, Rr, hr = ref_reverse_scan(s["q"], s["k"], s["W"], s["G"], do, ref_dvl, dht, scale, C)
@@ -496,11 +497,11 @@ def test_scan_state_blocks_of_up_to_128_rows():
     # off by default (untimed on a GPU): the launchers' and the Schedule's defaults are the 64-row, in-step forms
     for fn in (scan.forward_state_scan, scan.reverse_state_scan_ranges):
         assert inspect.signature(fn).parameters["state_rows"].default == 64, fn
-    assert inspect.signature(scan.reverse_state_scan_ranges).parameters["qdo_ahead"].default is False
+    assert inspect.signature(scan.reverse_state_scan_ranges).parameters["qdo"].default == "in_step"
     assert (Schedule().scan_state_rows, Schedule().reverse_scan_qdo) == (64, "in_step")
 
 
-def test_scans_refuse_state_rows_and_qdo_ahead_they_do_not_take():
+def test_scans_refuse_state_rows_and_qdo_they_do_not_take():
     s = _scan_inputs(1, 64, 1, 32, 32, 16, "none", torch.float32, seed=8)
     do = torch.randn(1, 64, 1, 32).to(DEV)
     kw = dict(chunk_size=16, BK=32, BV=16)
@@ -509,13 +510,15 @@ def test_scans_refuse_state_rows_and_qdo_ahead_they_do_not_take():
             forward_state_scan(s["k"], s["W"], s["U"], None, None, state_rows=rows, **kw)
         with pytest.raises(ValueError, match=r"state_rows must be one of \(64, 128\)"):
             reverse_state_scan(s["q"], s["k"], s["W"], None, do, None, None, scale=0.2, state_rows=rows, **kw)
-    with pytest.raises(TypeError, match="qdo_ahead must be a bool .*got int"):
-        reverse_state_scan(s["q"], s["k"], s["W"], None, do, None, None, scale=0.2, qdo_ahead=1, **kw)
+    for qdo in (True, 1, "Ahead", None):
+        with pytest.raises(ValueError, match=r"qdo must be one of \('in_step', 'ahead', 'split'\) .*got " +
+                           re.escape(repr(qdo))):
+            reverse_state_scan(s["q"], s["k"], s["W"], None, do, None, None, scale=0.2, qdo=qdo, **kw)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_q_do_ahead_is_read_by_the_no_gate_kv_scan_alone(layout, monkeypatch):
-    # qdo_ahead with a scalar gate (which scales dO's rows first) or in the transposed layout: the scan forms Qᵀ dO in
+    # qdo "ahead" with a scalar gate (which scales dO's rows first) or in the transposed layout: the scan forms Qᵀ dO in
     # its step, as without it (Schedule.reverse_scan_qdo: GDN accepts any value), the same bits
     from rewy_tune.kernels.triton import scan
 
@@ -527,7 +530,7 @@ def test_q_do_ahead_is_read_by_the_no_gate_kv_scan_alone(layout, monkeypatch):
     dht = torch.randn(1, 1, 32, 32, generator=gen).to(DEV)
     kw = dict(scale=0.2, chunk_size=16, BK=32, BV=16, layout=layout)
     in_step = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, **kw)
-    ahead = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, qdo_ahead=True, **kw)
+    ahead = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, qdo="ahead", **kw)
     assert launched == ([False, False] if layout == "kv" else [])
     for name, a, b in zip(("dS1", "Rbar", "dh0"), in_step, ahead):
         assert torch.equal(a, b), name
