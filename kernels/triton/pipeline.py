@@ -12,7 +12,8 @@ chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_s
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
 reverse_state_scan (+ reverse_scan_layout: the state as dS or dSᵀ; reverse_scan_qdo: DeltaNet's Qᵀ dO formed in its
-chunk step or the step before, or the step before where the scan splits); scan_state_rows → both scans (rows per register block of the state);
+chunk step or the step before, or the step before where the scan splits); scan_state_rows → both scans (rows per
+register block of the state);
 producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer (joint_tma: `consumer_tma.py`,
 with consumer_order, column_side, p_tiles and consumer_k_split); cumsum → chunk_cumsum; intra, intra_precision and
 dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in dv_local). w_source is read by

@@ -873,8 +873,8 @@ def _state_blocks(K: int) -> tuple[int, int]:
 # two (W S, K_tᵀ R) instead of four. sm_90 loop bodies (`benchmarks/compile_times.py --schedule FILE`), no hazards in
 # any: DeltaNet A's reverse scan 6 -> 3 product waits, MEMBARs and proxy fences, 498 -> 530 instructions, 104 -> 128
 # registers; KDA/GDN2 A 7 -> 4 waits (212 -> 225 registers), R 6 -> 3; the forward scans under R 4 -> 2 (DeltaNet 362
-# -> 360 instructions). Untimed on a GPU (session 37 had none): the defaults keep 64 until `scan_bench.py` and a sweep
-# time it (profile variants "rows128*"). The rows allowed: schedule.SCAN_STATE_ROWS.
+# -> 360 instructions). Timed on an H100 in session 38 (`scan_bench.py`, profile variants "rows128*"): DeltaNet's sm_90
+# default takes 128 rows; the other operators' keep 64. The rows allowed: schedule.SCAN_STATE_ROWS.
 
 
 def _scan_state_blocks(K: int, rows: int) -> tuple[int, int]:
@@ -1236,7 +1236,7 @@ def reverse_state_scan_ranges(
     state_rows (Schedule.scan_state_rows): the "kv" kernel's state blocks hold up to 64 or 128 rows
     (`_scan_state_blocks`; the same code where K ≤ 64). The "vk" kernel takes its own blocks.
     qdo (Schedule.reverse_scan_qdo; no gate, "kv" layout): "ahead" forms each chunk step's Qᵀ dO (with
-    dv_local_from_qk its dv_local too) is formed at the end of the step before, from the q and dO tiles as loaded, so
+    dv_local_from_qk its dv_local too) at the end of the step before, from the q and dO tiles as loaded, so
     that Triton waits for those products at the next step's first one rather than before −Wᵀ R̄ (the "kv" loop
     waits for every product at once, Triton 3.6 on sm_90). The same sums in another order. A gate scales dO's rows
     first, and Triton then waits for the product at once (its operand staged from registers): with a gate, and in
@@ -1294,8 +1294,9 @@ def reverse_state_scan_ranges(
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
     KB, NB = _scan_state_blocks(K, state_rows)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
+    ahead = code == 0 and (qdo == "ahead" or (qdo == "split" and NS > 1))  # (a gate's scan forms Qᵀ dO in its step)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,
-                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=code == 0 and (qdo == "ahead" or (qdo == "split" and NS > 1)),
+                  PREC=prec, G_LOG2=gate_log2, EARLY_GN=EARLY_GATE_ROW, QDO_AHEAD=ahead,
                   num_warps=num_warps, num_stages=num_stages)
     ranges = chunk_ranges(NT, num_ranges) if NS == 1 else [(0, NT)]
     if progress is not None:
