@@ -92,6 +92,14 @@ at B·H = 4, 4 % slower at B·H ≥ 16). GDN, KDA and GDN2 (a gate scales dO's r
 product at once) and the "vk" layout run "in_step" whatever the value; the search spaces offer "ahead" and "split"
 to DeltaNet alone and the constraints reject them where they know the operator is gated. DeltaNet's sm_90 default
 takes 128 rows under both policies and "split" under A (session 38, H100 sweeps; RESULTS.md).
+``reverse_scan_small_grid_block_v`` (0, 16 or 32; 0: off) is the reverse scan's value-tile width where it runs whole
+(no sequence split, no consumer ranges, no chase) on a small grid: at most a quarter of the SMs at
+``reverse_scan.block_v`` (`kernels/triton/pipeline.py`, ``small_grid_block_v``). There a narrower tile doubles the
+scan's programs on SMs that would stay idle, and each chunk step issues less (DeltaNet, 128-row blocks: 1.34 -> 1.04
+µs a step at 16 wide, session 38's scan_bench on an H100). Where it splits, a narrower tile halves the segments the
+occupancy rule allows and loses (session 38: (1, 8192, 4) 18 % slower); at B·H >= 16 its grid fills the SMs the
+query-side stage and the consumer would take. A value not below ``reverse_scan.block_v`` changes nothing; the
+constraints reject it. The same sums over narrower tiles.
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ SCAN_STATE_ROWS = (64, 128)  # rows per register block of the scans' state (kern
 # when the no-gate reverse scan forms a chunk step's Qᵀ dO (scan.py): in the step, the step before, or the step before
 # only where the scan splits along the sequence
 REVERSE_SCAN_QDO = ("in_step", "ahead", "split")
+SMALL_GRID_BLOCK_VS = (0, 16, 32)  # the reverse scan's value tile on a small grid (0: reverse_scan.block_v)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -208,12 +217,14 @@ class Schedule:
     scan_state_rows: int = 64  # both scans: rows per register block of the state (changes code only where K > 64)
     reverse_scan_qdo: str = "in_step"  # DeltaNet's reverse scan: Qᵀ dO formed in its chunk step, or the step before
     # ("ahead"; "split": where the scan splits)
+    reverse_scan_small_grid_block_v: int = 0  # the reverse scan's value tile where it runs whole on a small grid
 
     def __post_init__(self) -> None:
         # integer choices: an int of the listed values (1.0 or True compare equal to 1, and would reach the kernels)
         for name, allowed in (("chunk_size", CHUNK_SIZES), ("consumer_k_split", CONSUMER_K_SPLITS),
                               ("consumer_ranges", CONSUMER_RANGES), ("consumer_v_stages", CONSUMER_V_STAGES),
-                              ("scan_split_waves", SPLIT_WAVES), ("scan_state_rows", SCAN_STATE_ROWS)):
+                              ("scan_split_waves", SPLIT_WAVES), ("scan_state_rows", SCAN_STATE_ROWS),
+                              ("reverse_scan_small_grid_block_v", SMALL_GRID_BLOCK_VS)):
             val = getattr(self, name)
             if type(val) is not int or val not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {val!r}")

@@ -12,8 +12,9 @@ chunk_size → all stages; recompute → recompute_wu; forward_scan (+ forward_s
 forward_state_scan; scan_split_waves → both scans; dv_local (+ dv_local_source for vector gates: A_qk
 recomputed or the forward's Aqk) → dv_local; reverse_scan (+ reverse_scan_segments, state_dtype) →
 reverse_state_scan (+ reverse_scan_layout: the state as dS or dSᵀ; reverse_scan_qdo: DeltaNet's Qᵀ dO formed in its
-chunk step or the step before, or the step before where the scan splits); scan_state_rows → both scans (rows per
-register block of the state);
+chunk step or the step before, or the step before where the scan splits; reverse_scan_small_grid_block_v: its value
+tile where it runs whole on a small grid, `small_grid_block_v`); scan_state_rows → both scans (rows per register block
+of the state);
 producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer (joint_tma: `consumer_tma.py`,
 with consumer_order, column_side, p_tiles and consumer_k_split); cumsum → chunk_cumsum; intra, intra_precision and
 dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in dv_local). w_source is read by
@@ -48,7 +49,7 @@ from .local import dv_local as run_dv_local
 from .local import producer as run_producer
 from .query_side import query_side, query_side_buffers
 from .recompute import recompute_wu
-from .scan import (forward_state_scan, pdl_supported, reverse_scan_segment_count, reverse_state_scan,
+from .scan import (device_sms, forward_state_scan, pdl_supported, reverse_scan_segment_count, reverse_state_scan,
                    reverse_state_scan_ranges, scan_progress, split_program_limit)
 from .scan_operands import gated_scan_operands
 
@@ -267,6 +268,24 @@ def consumer_chases_scan(schedule: Schedule, device: torch.device, *, vector: bo
     alone and unsplit."""
     return (CONSUMER_CHASES_SCAN and not vector and schedule.consumer == "joint_tma"
             and (device.type != "cuda" or pdl_supported(device)))
+
+
+# Schedule.reverse_scan_small_grid_block_v: a grid at reverse_scan.block_v of at most this share of the SMs is small.
+# DeltaNet (1, 512, 4): 16 programs at 32 wide on 132 SMs; session 38's sweeps (H100, policy A) timed the backward
+# 16 wide there 20 % faster, in the same call (RESULTS.md). At B·H = 16 (64 programs) the 16-wide grid takes 128 SMs
+# and the query-side stage beside it lost them: level or slower.
+SMALL_GRID_SM_SHARE = 4
+
+
+def small_grid_block_v(schedule: Schedule, programs: int, sms: int, *, whole: bool) -> int:
+    """The reverse scan's value-tile width: Schedule.reverse_scan_small_grid_block_v where it is set and narrower than
+    reverse_scan.block_v, the scan runs whole (whole: no sequence split, no consumer ranges, no chase) and its grid
+    at reverse_scan.block_v (programs) is at most 1 / SMALL_GRID_SM_SHARE of the device's SMs; else
+    reverse_scan.block_v."""
+    wide, narrow = schedule.reverse_scan.block_v, schedule.reverse_scan_small_grid_block_v
+    if 0 < narrow < wide and whole and programs * SMALL_GRID_SM_SHARE <= sms:
+        return narrow
+    return wide
 
 
 def chase_streams(device: torch.device):
@@ -513,12 +532,18 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
             scan_aqk = None  # dv_local runs as its own stage
         if may_chase and (segments == 1 or n_ranges > 1):  # in place of the ranges, unsplit as they are
             chase, n_ranges = scan_progress(k, v.shape[-1], chunk_size=C, BV=rs.block_v), 1
+    # Schedule.reverse_scan_small_grid_block_v: a narrower value tile where the scan runs whole on a small grid (it
+    # then stays whole: twice the programs would change what the split rule allows)
+    scan_bv = rs.block_v
+    if sc.reverse_scan_small_grid_block_v and n_ranges == 1 and chase is None:
+        programs = triton.cdiv(v.shape[-1], rs.block_v) * q.shape[0] * q.shape[2]
+        scan_bv = small_grid_block_v(sc, programs, device_sms(k.device), whole=reverse_segments(split_limit) == 1)
     # Schedule.dv_local_source "scan" (scalar gates): the reverse scan forms A_qk and dv_local in each chunk step
     qk_in_scan = not vector and sc.dv_local_source == "scan"
     dvl_in_scan = scan_aqk is not None or qk_in_scan
-    scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=rs.block_v, num_warps=rs.num_warps,
+    scan_args = dict(scale=scale, chunk_size=C, BK=rs.block_k, BV=scan_bv, num_warps=rs.num_warps,
                      num_stages=rs.num_stages, state_dtype=state_dtype, want_dh0=initial_state is not None,
-                     num_segments=1 if chase is not None else sc.reverse_scan_segments,
+                     num_segments=1 if chase is not None or scan_bv != rs.block_v else sc.reverse_scan_segments,
                      split_max_programs=split_limit, pregated=pregated, q_scaled=q_scaled,
                      gate_log2=scan_gk is not None, aqk=scan_aqk, progress=chase, layout=sc.reverse_scan_layout,
                      dv_local_from_qk=qk_in_scan, state_rows=sc.scan_state_rows,

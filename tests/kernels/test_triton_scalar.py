@@ -391,6 +391,8 @@ FIELD_CHANGES = {
     "reverse_scan_layout": "vk",  # see also test_reverse_state_scan_transposed (test_triton_shared_stages.py)
     "scan_state_rows": 128,  # at K = 128 (PROBLEM_FOR; K ≤ 64 keeps one block), its launches checked (LAUNCH_FOR)
     "reverse_scan_qdo": "ahead",  # DeltaNet's (PROBLEM_FOR; GDN's scan forms Qᵀ dO in its step), launches checked
+    # at (1, 100, 1) the scan runs whole on 1 program of the interpreter's 8 "SMs": a small grid, its launch checked
+    "reverse_scan_small_grid_block_v": 16,
 }
 
 
@@ -409,7 +411,8 @@ PROBLEM_FOR = {"scan_state_rows": ("gdn", 128), "reverse_scan_qdo": ("deltanet",
 # fields whose change the gate alone would not notice if the pipeline dropped it (the same gradients in another form):
 # the scan kernels' launch constexpr that carries it, {kernel: (constexpr, base's value, changed's value)}
 LAUNCH_FOR = {"scan_state_rows": {"rewy_fwd_scan_kernel": ("KB", 64, 128), "rewy_bwd_scan_kernel": ("KB", 64, 128)},
-              "reverse_scan_qdo": {"rewy_bwd_scan_kernel": ("QDO_AHEAD", False, True)}}
+              "reverse_scan_qdo": {"rewy_bwd_scan_kernel": ("QDO_AHEAD", False, True)},
+              "reverse_scan_small_grid_block_v": {"rewy_bwd_scan_kernel": ("BV", 32, 16)}}
 
 
 def test_field_changes_cover_schedule():
@@ -580,6 +583,50 @@ def test_reverse_scan_step_forms_on_the_h200_default(op, policy, rows, qdo, dvl,
         assert split
     assert forward == ({rows} if policy == "R" else set())  # (policy A takes S0 from the forward)
     assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} rows {rows} qdo {qdo}")
+
+
+def test_small_grid_block_v_rule():
+    # Schedule.reverse_scan_small_grid_block_v: narrower only where set, narrower than reverse_scan.block_v, the scan
+    # whole and its grid at most a quarter of the SMs
+    from rewy_tune.kernels.triton.pipeline import SMALL_GRID_SM_SHARE, small_grid_block_v
+
+    s = BASE.replace(reverse_scan_small_grid_block_v=16)  # reverse_scan.block_v 32
+    assert SMALL_GRID_SM_SHARE == 4
+    assert small_grid_block_v(s, 33, 132, whole=True) == 16  # DeltaNet (1, 512, 4) at 32 wide: 16 programs
+    assert small_grid_block_v(s, 34, 132, whole=True) == 32  # B·H = 16 at 32 wide: 64 programs
+    assert small_grid_block_v(s, 16, 132, whole=False) == 32  # a split scan
+    assert small_grid_block_v(BASE, 1, 132, whole=True) == 32  # off
+    assert small_grid_block_v(s.replace(reverse_scan={"block_v": 16}), 1, 132, whole=True) == 16  # not narrower
+
+
+@pytest.mark.parametrize("case", ["small", "wide_grid", "split", "ranges"])
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_reverse_scan_small_grid_block_v(op, policy, case, monkeypatch):
+    # the reverse scan 16 wide where it runs whole on a small grid (the interpreter's 8 "SMs": at most 2 programs at
+    # 32 wide), and 32 wide on a larger grid, where it splits along the sequence and where the consumer runs in chunk
+    # ranges; the gradients against the oracle each time, with a tail, initial state and zero β on half the sequence
+    from rewy_tune.kernels.triton import scan
+
+    widths, combines = [], []
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel",
+                        lambda args, kw, grid: widths.append((kw["BV"], grid[0] * grid[1] * grid[2])))
+    spy_kernel_launches(monkeypatch, scan, "rewy_segment_combine_carry_kernel",
+                        lambda args, kw, grid: combines.append(kw["REVERSE"]))
+    H = {"small": 1, "wide_grid": 3, "split": 1, "ranges": 1}[case]
+    x = make_inputs(op, 1, 300, H, 32, 32, seed=39, beta_zero=True)
+    sched = BASE.replace(reverse_scan_small_grid_block_v=16)
+    if case == "split":
+        sched = sched.replace(reverse_scan_segments=3)
+    if case == "ranges":
+        sched = sched.replace(consumer="joint_tma", consumer_ranges=2)
+    out = run_triton(x, sched, policy)
+    narrow = case == "small"
+    assert {bv for bv, _ in widths} == {16 if narrow else 32}, case
+    assert any(combines) == (case == "split")  # (the narrow scan stays whole)
+    if narrow:
+        assert widths == [(16, 2)]  # one launch, twice the programs of 32 wide
+    assert_gates(out, oracle(x), ctx=f"{op} {policy} small grid {case}")
 
 
 @pytest.mark.parametrize("gate", ["none", "scalar", "vector"])
