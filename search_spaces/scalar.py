@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rewy_tune.schedule import (CONSUMER_RANGES, REVERSE_SCAN_QDO, SCAN_STATE_ROWS, SPLIT_WAVES, STAGES, Schedule,
-                                StageConfig)
+from rewy_tune.schedule import (CONSUMER_RANGES, REVERSE_SCAN_QDO, SCAN_STATE_ROWS, SMALL_GRID_BLOCK_VS, SPLIT_WAVES,
+                                STAGES, Schedule, StageConfig)
 
 # Per-block shared-memory limit (bytes) by compute capability (CUDA occupancy tables; H100/H200 = 227 KiB).
 SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
@@ -107,6 +107,9 @@ def space(K: int = 128, V: int = 128, policy: str | None = None, op: str | None 
         # scans' state in 128-row blocks, which change code only where K > 64 (session 37, untimed on a GPU)
         "reverse_scan_qdo": list(REVERSE_SCAN_QDO) if op in (None, *QDO_AHEAD_OPS) else ["in_step"],
         "scan_state_rows": list(SCAN_STATE_ROWS) if K > 64 else [64],
+        # a narrower reverse-scan value tile where it runs whole on a small grid (0: off; session 39). The constraint
+        # rejects a width not below reverse_scan.block_v
+        "reverse_scan_small_grid_block_v": [w for w in SMALL_GRID_BLOCK_VS if not w or (w < V and V % w == 0)],
     }
     stage_tiles = {
         "recompute": (tk, tv), "forward_scan": (scan_k, [t for t in tv if t <= 128]), "dv_local": (tk, tv),
@@ -357,6 +360,12 @@ def tile_reasons(schedule: Schedule, K: int, V: int) -> list[str]:
         cfg = getattr(schedule, name)
         if cfg.block_k > max(16, _pow2_ceil(K)):
             reasons.append(f"{name}.block_k={cfg.block_k} exceeds K={K} rounded up to a power of two")
+    narrow, wide = schedule.reverse_scan_small_grid_block_v, schedule.reverse_scan.block_v
+    if narrow and narrow >= wide:
+        reasons.append(f"reverse_scan_small_grid_block_v={narrow} is not narrower than reverse_scan.block_v={wide}: "
+                       "it changes nothing (0 turns it off)")
+    elif narrow and V % narrow:
+        reasons.append(f"reverse_scan_small_grid_block_v={narrow} does not divide V={V}")
     if schedule.chunk_size != 64:
         reasons.append(f"chunk_size={schedule.chunk_size}: FLA's forward saves A at chunk 64 (the only size the "
                        "CUDA forward provides)")
@@ -481,6 +490,11 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # blocks), in its step where the scan runs whole beside the query-side stage and the consumer ranges,
             # whose CTAs a 200 KB scan CTA keeps off its SM ("ahead" lost 4 % there). Session 38, H100.
             reverse_scan_qdo="split" if deltanet_a and kk == 128 else "in_step",
+            # DeltaNet: 16-wide reverse-scan tiles where the scan runs whole on at most a quarter of the SMs
+            # ((1, 512, 4): 16 programs at 32 wide). Session 39 sweeps, H100, against the same default without it:
+            # (1, 512, 4) 28.1 -> 26.1 µs under A, 33.4 -> 32.1 under R; the other five shapes do not take it
+            # (RESULTS.md). Split at B·H = 4 the narrower tile lost (session 38). GDN is not timed with it.
+            reverse_scan_small_grid_block_v=16 if op == "deltanet" and wide_scans and tma else 0,
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

@@ -292,10 +292,10 @@ def test_a_gated_schedule_is_timed_and_recorded_in_every_bucket(tmp_path):
     recorded in the other as trials of its own study ("shared from ..."), with that bucket's timings; with
     --no-share-trials every trial is gated in its own bucket."""
     db = str(tmp_path / "s.db")
-    # a seed whose first samples pass the constraint in one bucket (3 since dv_local_source joined the scalar space in
-    # session 36; with others, e.g. 4 since consumer_k_split's
-    # "auto" joined the space, every sample beyond the default is a constraint rejection and nothing is shared)
-    cli("--device", "cpu", "--op", "gdn", "--trials", "3", "--db", db, "--seed", "3", "--compile-jobs", "2")
+    # a seed whose first samples pass the constraint in one bucket (4 since reverse_scan_small_grid_block_v joined the
+    # scalar space in session 39; 3 after dv_local_source in session 36; with others, e.g. 1 and 2 now, every sample
+    # beyond the default is a constraint rejection and nothing is shared)
+    cli("--device", "cpu", "--op", "gdn", "--trials", "3", "--db", db, "--seed", "4", "--compile-jobs", "2")
     camps = _rows_with_messages(db)
     assert len(camps) == 2 and all(len(rows) == 3 for rows in camps.values())
     shared = [r for rows in camps.values() for r in rows if "shared from" in r[3]]
