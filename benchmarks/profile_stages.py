@@ -296,6 +296,10 @@ def variants_for(op: str, base):
         out["rows128-qdo-ahead-s2"] = ahead.replace(reverse_scan={"num_stages": 2})
         # with dv_local formed in the scan a step ahead too (no dv_local stage; 2 stages: 3 exceed the shared memory)
         out["dvl-scan-rows128-qdo-ahead-s2"] = ahead.replace(dv_local_source="scan", reverse_scan={"num_stages": 2})
+    # session 39: the reverse scan 16 wide where it runs whole on a small grid (Schedule.reverse_scan_small_grid_block_v;
+    # DeltaNet A's default takes it), and without it
+    out["small-grid-off"] = base.replace(reverse_scan_small_grid_block_v=0)
+    out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN
     # default uses waves 1 (no split at B·H = 16): "waves2" is call 3's behaviour, its A/B.
