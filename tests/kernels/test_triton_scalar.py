@@ -1147,17 +1147,17 @@ def test_schedule_json_roundtrip_and_validation():
 BENCH_SHAPES = [(1, 512, 4), (1, 2048, 4), (1, 8192, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)]
 
 
-def _gpu_default(dtype=None):
+def _gpu_default(dtype=None, *, op=None, policy=None):
     """The schedule the GPU tests gate: the device's built-in default for the inputs' dtype ("fp32" or None:
-    16-bit), or a candidate default named by REWY_TEST_GPU_SCHEDULE (a Schedule JSON file), so a new default passes
-    the GPU suite before it is adopted."""
+    16-bit), operator and policy (None: GDN's, which most tests take as their base), or a candidate default named by
+    REWY_TEST_GPU_SCHEDULE (a Schedule JSON file), so a new default passes the GPU suite before it is adopted."""
     path = os.environ.get("REWY_TEST_GPU_SCHEDULE")
     if path:
         with open(path) as f:
             return Schedule.from_json(f.read())
     from rewy_tune.search_spaces import default_schedule
 
-    return default_schedule(torch.cuda.get_device_capability(), dtype=dtype)
+    return default_schedule(torch.cuda.get_device_capability(), dtype=dtype, op=op, policy=policy)
 
 
 def _with_consumer(schedule, consumer):
@@ -1193,10 +1193,13 @@ def assert_bf16(out, ref, ctx):
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
 def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
+    # each operator's own policy-R default (DeltaNet's differs from GDN's: 128-row scan blocks, the small-grid scan
+    # at (1, 512, 4)); DeltaNet A's is gated below
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    base = _gpu_default(op=op, policy="R")
     for states in ("input", "fp32"):  # bf16 per-chunk states (the H200 default) and fp32 ones
-        out = run_triton(x, _with_consumer(_gpu_default(), consumer).replace(state_dtype=states))
+        out = run_triton(x, _with_consumer(base, consumer).replace(state_dtype=states))
         assert_bf16(out, ref, f"gpu {op} {B},{T},{H} {consumer} {states} states")
 
 
@@ -1217,6 +1220,31 @@ def test_gpu_deltanet_a_default_at_bench_shapes(B, T, H):
     assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
     assert_same_bits(run_triton(x, s.replace(consumer_ranges=1), "A"), out, ctx=ctx + ", one consumer launch")
     assert_same_bits(run_triton(x, s, "A"), out, ctx=ctx + ", run twice")
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("B,T,H", [(1, 512, 4), (1, 500, 4), (1, 2048, 16)])
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_gpu_small_grid_scan_in_the_defaults(op, policy, B, T, H, monkeypatch):
+    # Schedule.reverse_scan_small_grid_block_v in each operator's default under each policy: the reverse scan's
+    # value-tile width the rule gives for this grid on this GPU, the bf16 gate, run-twice bits
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.kernels.triton.pipeline import small_grid_block_v
+
+    s = _gpu_default(op=op, policy=policy)
+    widths = []
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel", lambda args, kw, grid: widths.append(kw["BV"]))
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 40, gate_div=1.0)
+    out = run_triton(x, s, policy)
+    ctx = f"gpu {op} {policy} default {B},{T},{H} (small-grid width {s.reverse_scan_small_grid_block_v})"
+    assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
+    programs = B * H * (128 // s.reverse_scan.block_v)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if T <= 512:  # 8 chunks: no split, no ranges, so the rule alone decides the width
+        assert widths[-1] == small_grid_block_v(s, programs, sms, whole=True), ctx
+    assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
 
 
 @pytest.mark.parametrize("order,column,k_split", [("fused", "scratch", 1), ("dq_first", "gamma_t", 1),
