@@ -408,7 +408,9 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
 
     dtype: the inputs' ("bf16", "fp16", "fp32"; None: 16-bit). vector_gates: the base the vector space builds on
     (the pointer consumer and the session-11 scans, which its default was measured with). op ("deltanet", "gdn";
-    None: GDN's): the Hopper default differs by operator in one field, DeltaNet's query-side stage under policy A.
+    None: GDN's) and policy ("R", "A"; None: R's): the Hopper defaults differ by operator and policy in a few fields,
+    each with the sweep that chose it below (DeltaNet's query-side stage under A, its 128-row scan blocks, the
+    small-grid reverse scan).
     The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""
@@ -490,11 +492,12 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # blocks), in its step where the scan runs whole beside the query-side stage and the consumer ranges,
             # whose CTAs a 200 KB scan CTA keeps off its SM ("ahead" lost 4 % there). Session 38, H100.
             reverse_scan_qdo="split" if deltanet_a and kk == 128 else "in_step",
-            # DeltaNet: 16-wide reverse-scan tiles where the scan runs whole on at most a quarter of the SMs
-            # ((1, 512, 4): 16 programs at 32 wide). Session 39 sweeps, H100, against the same default without it:
-            # (1, 512, 4) 28.1 -> 26.1 µs under A, 33.4 -> 32.1 under R; the other five shapes do not take it
-            # (RESULTS.md). Split at B·H = 4 the narrower tile lost (session 38). GDN is not timed with it.
-            reverse_scan_small_grid_block_v=16 if op == "deltanet" and wide_scans and tma else 0,
+            # 16-wide reverse-scan tiles where the scan runs whole on at most a quarter of the SMs ((1, 512, 4): 16
+            # programs at 32 wide). H100 sweeps against the same default without it (RESULTS.md): DeltaNet (session
+            # 39) 28.1 -> 26.1 µs under A, 33.4 -> 32.1 under R; GDN (session 40) 40.7 -> 37.8 µs under A, but 40.8 ->
+            # 43.9 under R, where its reverse scan runs beside the forward scan: GDN takes it under A alone. The
+            # other five bench shapes do not take it; split at B·H = 4 the narrower tile lost (session 38).
+            reverse_scan_small_grid_block_v=16 if wide_scans and tma and (op == "deltanet" or policy == "A") else 0,
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

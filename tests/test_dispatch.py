@@ -65,7 +65,8 @@ def test_fallback_chain(tmp_path):
     assert s == S1 and reason.startswith("same-cc:") and "NVIDIA H200" in reason, reason
 
     s, reason = lookup(problem(op="deltanet"), H100, environment=RUN, db_url=url)  # no winner of this family
-    assert s == default_schedule((9, 0), K=K, V=V) and reason.startswith("default:") and "9.0" in reason, reason
+    assert s == default_schedule((9, 0), K=K, V=V, op="deltanet", dtype="bf16", policy="R"), s
+    assert reason.startswith("default:") and "9.0" in reason, reason
 
     s, reason = lookup(problem(), A100, environment=RUN, db_url=url)  # only winners of another cc
     assert s == default_schedule(None, K=K, V=V) and reason.startswith("generic:"), reason
