@@ -617,6 +617,25 @@ def test_state_block_rows_128_on_the_h200_default(op, policy, monkeypatch):
     assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} 128-row state blocks")
 
 
+@pytest.mark.parametrize("policy", ["R", "A"])
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_small_grid_block_v_on_the_vector_scan(op, policy, monkeypatch):
+    # Schedule.reverse_scan_small_grid_block_v (searched for KDA/GDN2 too; their defaults keep 0): the vector reverse
+    # scan 16 wide where it runs whole on a small grid (one head, V = 64 in one 64-wide tile: one program of the
+    # interpreter's 8 "SMs"), a tail and strong decay on half the channels, against the oracle
+    from rewy_tune.kernels.triton import scan
+    from rewy_tune.search_spaces import default_schedule
+
+    widths = []
+    spy_kernel_launches(monkeypatch, scan, "rewy_bwd_scan_kernel", lambda args, kw, grid: widths.append(kw["BV"]))
+    x = make_inputs(op, 1, 100, 1, 64, 64, seed=40, decay="mixed")
+    sched = default_schedule((9, 0), K=64, V=64, op=op, policy=policy).replace(
+        chunk_size=32, reverse_scan={"block_v": 64}, reverse_scan_segments=1, reverse_scan_small_grid_block_v=16)
+    out = run_triton(x, sched, policy)
+    assert widths and set(widths) == {16}
+    assert_gates(out, oracle(x, C=32), ctx=f"{op} {policy} small-grid scan")
+
+
 def test_early_gate_row_log2_scan_same_bits(monkeypatch):
     # the policy-A scan on fla-core's operands (GATE 4: unscaled Q_g, G in log2 units), the flag on and off
     from rewy_tune.kernels.triton import scan
