@@ -99,7 +99,7 @@ scan's programs on SMs that would stay idle, and each chunk step issues less (De
 µs a step at 16 wide, session 38's scan_bench on an H100). Where it splits, a narrower tile halves the segments the
 occupancy rule allows and loses (session 38: (1, 8192, 4) 18 % slower); at B·H >= 16 its grid fills the SMs the
 query-side stage and the consumer would take. A value not below ``reverse_scan.block_v`` changes nothing; the
-constraints reject it. The same sums over narrower tiles.
+constraints reject it. The gradients are the same sums, formed over narrower tiles.
 """
 
 from __future__ import annotations

@@ -179,6 +179,20 @@ def test_scalar_space_offers_the_scan_step_forms_where_a_scan_reads_them():
     assert scalar.constraint(rows, {**H200, "op": "gdn"}) == []
 
 
+def test_scalar_space_offers_small_grid_widths_the_constraint_accepts():
+    # reverse_scan_small_grid_block_v: the space offers 0 and the widths below V that divide it; the constraint
+    # names a width not below reverse_scan.block_v (it would change nothing) and one that does not divide V
+    assert scalar.space(128, 128)["reverse_scan_small_grid_block_v"] == [0, 16, 32]
+    assert scalar.space(32, 32)["reverse_scan_small_grid_block_v"] == [0, 16]
+    assert scalar.space(16, 16)["reverse_scan_small_grid_block_v"] == [0]
+    base = scalar.default_schedule((9, 0), op="gdn")  # reverse_scan.block_v 32
+    assert scalar.constraint(base.replace(reverse_scan_small_grid_block_v=16), H200) == []
+    assert ("reverse_scan_small_grid_block_v=32 is not narrower than reverse_scan.block_v=32: it changes nothing "
+            "(0 turns it off)") in scalar.constraint(base.replace(reverse_scan_small_grid_block_v=32), H200)
+    assert "reverse_scan_small_grid_block_v=16 does not divide V=40" in scalar.tile_reasons(
+        base.replace(reverse_scan_small_grid_block_v=16), 40, 40)
+
+
 # DeltaNet A's reverse scan compiled ahead for sm_90 (K = V = 128, bf16; compile_times.py --op deltanet --policy A
 # --kernels rewy_bwd_scan, session 37's table in benchmarks/RESULTS.md and session 38's BV 64 rows): changes to the
 # H200 default's (BV 32, 4 warps, 3 stages), bytes of shared memory. "ahead" holds the next chunk's q tile and a third

@@ -1131,7 +1131,8 @@ def test_schedule_json_roundtrip_and_validation():
     assert Schedule.from_dict({k: v for k, v in BASE.to_dict().items() if k != "consumer_ranges"}).consumer_ranges == 1
     # integer choices given as floats or bools (equal to a listed int, but not one): named and refused
     for name, bad in (("chunk_size", 64.0), ("consumer_ranges", 1.0), ("consumer_k_split", 2.0),
-                      ("scan_split_waves", True), ("consumer_v_stages", 2.0)):
+                      ("scan_split_waves", True), ("consumer_v_stages", 2.0),
+                      ("reverse_scan_small_grid_block_v", 16.0), ("reverse_scan_small_grid_block_v", 64)):
         with pytest.raises(ValueError, match=rf"Schedule.{name} must be one of \(.*\), got {bad!r}"):
             BASE.replace(**{name: bad})
     assert Schedule.from_dict({k: v for k, v in BASE.to_dict().items() if k != "consumer_v_stages"}) == BASE
