@@ -48,6 +48,15 @@ FLAG_VARIANTS = {
     # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
+    # session 41: the scalar consumer's and the query-side stage's loads outside their pipelined loops issued ahead
+    # (consumer_tma.EARLY_LOADS 1: A and v by pointer loads, 2: K and dk's query part before the V loop, 4: phase 2
+    # as one loop over (K tile, V tile) pairs; query_side.EARLY_LOADS 1: Q, K before the V loop, 2: one flat loop)
+    "cons-early3": ({"consumer_tma.EARLY_LOADS": 3}, {}),
+    "cons-flat5": ({"consumer_tma.EARLY_LOADS": 5}, {}),
+    "qs-early1": ({"query_side.EARLY_LOADS": 1}, {}),
+    "qs-flat2": ({"query_side.EARLY_LOADS": 2}, {}),
+    "early-both": ({"consumer_tma.EARLY_LOADS": 3, "query_side.EARLY_LOADS": 1}, {}),
+    "flat-both": ({"consumer_tma.EARLY_LOADS": 5, "query_side.EARLY_LOADS": 2}, {}),
 }
 
 

@@ -85,6 +85,14 @@ from .local import (_chased_chunk, _check_consumer_args, _chunk_prologue, _chunk
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
+# Under trial (session 41, module flag, not a Schedule field until timed): the consumer's loads outside its
+# pipelined V loops as pointer loads issued ahead of their use. A descriptor load there is a TMA copy and a wait
+# in one place (the sm_90 IR waits right after each copy), so every one is a memory round trip on the chunk's
+# path: per chunk A, each v tile of phase 1, and per K tile K and dk's query part after the V loop. Bits:
+# 1 A and the v tiles by pointer loads (in flight beside phase 1's products); 2 K and dk's query part loaded
+# before the K tile's V loop (in flight beside it; 32 more registers live through the loop).
+EARLY_LOADS = 0
+
 
 @triton.jit
 def _tile(desc, i_b, t0, i_h, col, BT: tl.constexpr, BD: tl.constexpr):
@@ -141,17 +149,65 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
     return b_brow, b_gb_col
 
 
+@triton.jit
+def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_grt, b_e, b_gamma, b_tau, is_last, b_der,
+                 b_gb, b_gb_col, b_frob, b_tail, scale, T, H, i_b, t0, i_h, i_s, bos, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                 USE_G: tl.constexpr):
+    """Phase 2 of the query-side-given consumer (dq_stage "separate", column_side "gamma_t", one program per chunk)
+    as one loop over the (K tile, V tile) pairs, so the pipeliner copies the next K tile's first tiles while this
+    K tile's last products and its dk epilogue run (nested loops restart the copies cold each K tile). The epilogue
+    runs at a K tile's last V tile; K and dk's query part are pointer loads issued at its first."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    NK: tl.constexpr = (K + BK - 1) // BK
+    b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
+    b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
+    for it in range(0, NK * NV):
+        i_k = it // NV
+        i_v = it % NV
+        b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
+        b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
+        b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
+        b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
+        if USE_G:  # its own pointer loads (see the nested loop)
+            p_s0 = tl.make_block_ptr(s0 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV),
+                                     (1, 0))
+            p_ds1 = tl.make_block_ptr(ds1 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
+                                      (BK, BV), (1, 0))
+            b_frob += tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
+                             * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=1)
+        b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
+        b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
+        if i_v == NV - 1:
+            p_k = tl.make_block_ptr(k + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+            p_q = tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+            b_k = tl.load(p_k, boundary_check=(0, 1))
+            b_dkq = tl.load(p_q, boundary_check=(0, 1))
+            b_kf = b_k.to(tl.float32)
+            b_ak = _mma(b_gr, b_k.to(DT), PREC)
+            b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_kf, b_e, b_gamma, b_tau, b_gamma, is_last,
+                                                  b_der, b_gb, b_tail, scale, USE_G, False)
+            b_dkr += b_dkq.to(tl.float32)
+            b_brow, b_gb_col = _column_rows(b_grt, b_grt, b_k, b_kf, b_e, b_gb_col, DT, PREC, USE_G, False)
+            b_dkr += b_brow
+            dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
+            b_pe = tl.zeros([BT, BK], dtype=tl.float32)
+            b_kt = tl.zeros([BT, BK], dtype=tl.float32)
+    return b_der, b_gb, b_gb_col, b_frob, b_tail
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, dkq, s0, ds1, progress,
+    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, dkq, s0, ds1, progress, a, v, k,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr, ONE_BETA: tl.constexpr, SPLIT_DQ: tl.constexpr, GAMMA_T: tl.constexpr,
     STORE_P: tl.constexpr, KSPLIT: tl.constexpr, DQ_GIVEN: tl.constexpr, CHASE: tl.constexpr,
-    SCAN_PROGRAMS: tl.constexpr, PDL: tl.constexpr,
+    SCAN_PROGRAMS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = 0,
 ):
+    FLAT: tl.constexpr = (EARLY & 4) != 0
     # CHASE (launched with the reverse scan still running, `scan.reverse_state_scan_ranges(progress=)`): the
     # programs take the chunks from the last and wait for the scan's count of their chunk before the first tile
     # it writes (R̄) is read; PDL: launched as the scan's programmatic dependent (on a GPU)
@@ -180,7 +236,11 @@ def rewy_bwd_kernel_consumer_tma(
     b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
     b_g, b_gn, b_gamma, b_tau = _row_gates(G, tok, m_row, is_last, BT, USE_G)
     # Aᵀ, keeping j ≤ i (FLA's buffer is not guaranteed zero above the diagonal of a tail chunk)
-    b_at = tl.trans(_tile(a_d, i_b, t0, i_h, 0, BT, BT))
+    if EARLY & 1:  # (k_d's base and strides: a, v are [B, T, H, ·] too)
+        b_at = tl.trans(tl.load(tl.make_block_ptr(a + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0)),
+                                boundary_check=(0,)))
+    else:
+        b_at = tl.trans(_tile(a_d, i_b, t0, i_h, 0, BT, BT))
     b_at = tl.where(o_i[:, None] <= o_i[None, :], b_at, 0.0).to(DT)
     if CHASE:  # (the loads above read nothing of the scan's)
         _wait_for_scan(progress, i_bhc, i_tc, NT, SCAN_PROGRAMS, PDL)
@@ -196,7 +256,12 @@ def rewy_bwd_kernel_consumer_tma(
         if not DQ_GIVEN:  # (given: the query-side stage formed H and its diagonal; dO is not read here)
             b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV)
             b_H += _mma(b_do.to(DT), tl.trans(b_r).to(DT), PREC)
-        b_dwr += tl.sum(_tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV).to(tl.float32) * b_p, axis=1)
+        if EARLY & 1:
+            b_vt = tl.load(tl.make_block_ptr(v + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0)),
+                           boundary_check=(0, 1))
+        else:
+            b_vt = _tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV)
+        b_dwr += tl.sum(b_vt.to(tl.float32) * b_p, axis=1)
         if KSPLIT == 1:  # (constexpr branches: k_split 1 compiles to the unsplit kernel)
             dv_d.store([i_b, t0, i_h, i_v * BV], (b_w[:, None] * b_p).to(dv_d.dtype).reshape(1, BT, 1, BV))
         elif i_ks == 0:
@@ -235,87 +300,104 @@ def rewy_bwd_kernel_consumer_tma(
     # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue. SPLIT_DQ ("dq_first"): Q̄_g
     # gets its own V pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed (three [C, BK]
     # fp32 accumulators next to the epilogue spill; S0 and Q, K are loaded twice instead).
-    if KSPLIT == 1:
-        k_lo = 0
-        k_hi = NK
+    if FLAT:  # (EARLY_LOADS bit 4: DQ_GIVEN, GAMMA_T, KSPLIT 1; the launcher checks)
+        b_der, b_gb, b_gb_col, b_frob, b_tail = _phase2_flat(
+            r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_grt, b_e, b_gamma, b_tau, is_last, b_der, b_gb,
+            b_gb_col, b_frob, b_tail, scale, T, H, i_b, t0, i_h, i_s, bos, K, V, BT, BK, BV, DT, PREC, USE_G)
     else:
-        k_lo = i_ks * NKP
-        k_hi = tl.minimum(k_lo + NKP, NK)
-    for i_k in range(k_lo, k_hi):
-        b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
-        if SPLIT_DQ:
-            b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
-            if DQ_GIVEN:  # (Q is not read: K stands in for it)
+        if KSPLIT == 1:
+            k_lo = 0
+            k_hi = NK
+        else:
+            k_lo = i_ks * NKP
+            k_hi = tl.minimum(k_lo + NKP, NK)
+        for i_k in range(k_lo, k_hi):
+            b_qg = tl.zeros([BT, BK], dtype=tl.float32)  # Q̄_g = dO S0ᵀ
+            if SPLIT_DQ:
+                b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
+                if DQ_GIVEN:  # (Q is not read: K stands in for it)
+                    b_q = b_k
+                else:
+                    b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
+                if not DQ_GIVEN:
+                    for i_v in range(0, (V + BV - 1) // BV):
+                        b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
+                        b_qg += _mma(_tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), tl.trans(b_s0).to(DT), PREC)
+                    b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_q.to(tl.float32), b_k.to(tl.float32), b_hd, b_gamma,
+                                        b_gb, scale, i_b, t0, i_h, i_k, BT, BK, DT, PREC, USE_G)
+                if not GAMMA_T:
+                    b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0,
+                                            i_k, BT, BK, DT, PREC, USE_G, not DQ_GIVEN)
+            if EARLY & 2:  # in flight through the V loop below
+                b_k_early = tl.load(tl.make_block_ptr(k + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0)),
+                                    boundary_check=(0, 1))
+                if DQ_GIVEN:
+                    b_dkq_early = tl.load(tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK),
+                                                            (1, 0)), boundary_check=(0, 1))
+            b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
+            b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
+            for i_v in range(0, (V + BV - 1) // BV):
+                b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
+                if not SPLIT_DQ and not DQ_GIVEN:
+                    b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
+                if STORE_P:
+                    b_p = tl.load(_p_tile(pst, i_v, BT, V, BV), boundary_check=(1,))
+                else:
+                    b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
+                b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)  # rows past K read as zero
+                b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
+                if USE_G:  # its own pointer loads: the descriptor-loaded tiles feed products only (`local._diagonal`)
+                    p_s0 = tl.make_block_ptr(s0 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
+                                             (BK, BV), (1, 0))
+                    p_ds1 = tl.make_block_ptr(ds1 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
+                                              (BK, BV), (1, 0))
+                    b_frob += tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
+                                     * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=1)
+                b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
+                if not SPLIT_DQ and not DQ_GIVEN:
+                    b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
+                b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
+
+            # loaded after the V loop: shorter live ranges (the split path loads them again for dk's rows). DQ_GIVEN
+            # reads no Q: K stands in for it where it is not read
+            if EARLY & 2:
+                b_k = b_k_early
+            else:
+                b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
+            b_kf = b_k.to(tl.float32)
+            if DQ_GIVEN:
                 b_q = b_k
+                b_qf = b_kf
             else:
                 b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
-            if not DQ_GIVEN:
-                for i_v in range(0, (V + BV - 1) // BV):
-                    b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
-                    b_qg += _mma(_tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), tl.trans(b_s0).to(DT), PREC)
-                b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_q.to(tl.float32), b_k.to(tl.float32), b_hd, b_gamma,
-                                    b_gb, scale, i_b, t0, i_h, i_k, BT, BK, DT, PREC, USE_G)
-            if not GAMMA_T:
-                b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0,
-                                        i_k, BT, BK, DT, PREC, USE_G, not DQ_GIVEN)
-        b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
-        b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
-        for i_v in range(0, (V + BV - 1) // BV):
-            b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
-            if not SPLIT_DQ and not DQ_GIVEN:
-                b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
-            if STORE_P:
-                b_p = tl.load(_p_tile(pst, i_v, BT, V, BV), boundary_check=(1,))
+                b_qf = b_q.to(tl.float32)
+            if not SPLIT_DQ:
+                if not GAMMA_T:
+                    b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT,
+                                            PREC, USE_G, not DQ_GIVEN)
+                if not DQ_GIVEN:
+                    b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
+                                        BT, BK, DT, PREC, USE_G)
+
+            b_ak = _mma(b_gr, b_k.to(DT), PREC)
+            b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
+                                                  b_der, b_gb, b_tail, scale, USE_G, not DQ_GIVEN)
+            if DQ_GIVEN:  # dk's query part, which the query-side stage wrote into dk (read by a block pointer, not
+                # through the descriptor this kernel stores dk with; session 34 timed both, and both raced under R)
+                if EARLY & 2:
+                    b_dkr += b_dkq_early.to(tl.float32)
+                else:
+                    p_q = tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+                    b_dkr += tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
+
+            if GAMMA_T:
+                b_brow, b_gb_col = _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT, PREC, USE_G, not DQ_GIVEN)
+                b_dkr += b_brow
             else:
-                b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
-            b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)  # rows past K read as zero
-            b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
-            if USE_G:  # its own pointer loads: the descriptor-loaded tiles feed products only (`local._diagonal`)
-                p_s0 = tl.make_block_ptr(s0 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
-                                         (BK, BV), (1, 0))
-                p_ds1 = tl.make_block_ptr(ds1 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
-                                          (BK, BV), (1, 0))
-                b_frob += tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
-                                 * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=1)
-            b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
-            if not SPLIT_DQ and not DQ_GIVEN:
-                b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
-            b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
-
-        # loaded after the V loop: shorter live ranges (the split path loads them again for dk's rows). DQ_GIVEN
-        # reads no Q: K stands in for it where it is not read
-        b_k = _tile(k_d, i_b, t0, i_h, i_k * BK, BT, BK)
-        b_kf = b_k.to(tl.float32)
-        if DQ_GIVEN:
-            b_q = b_k
-            b_qf = b_kf
-        else:
-            b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
-            b_qf = b_q.to(tl.float32)
-        if not SPLIT_DQ:
-            if not GAMMA_T:
-                b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT,
-                                        PREC, USE_G, not DQ_GIVEN)
-            if not DQ_GIVEN:
-                b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
-                                    BT, BK, DT, PREC, USE_G)
-
-        b_ak = _mma(b_gr, b_k.to(DT), PREC)
-        b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
-                                              b_der, b_gb, b_tail, scale, USE_G, not DQ_GIVEN)
-        if DQ_GIVEN:  # dk's query part, which the query-side stage wrote into dk (read by a block pointer, not
-            # through the descriptor this kernel stores dk with; session 34 timed both, and both raced under R)
-            p_q = tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-            b_dkr += tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
-
-        if GAMMA_T:
-            b_brow, b_gb_col = _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT, PREC, USE_G, not DQ_GIVEN)
-            b_dkr += b_brow
-        else:
-            tl.debug_barrier()
-            p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-            b_dkr += tl.load(p_c, boundary_check=(0, 1))
-        dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
+                tl.debug_barrier()
+                p_c = tl.make_block_ptr(dk_col, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+                b_dkr += tl.load(p_c, boundary_check=(0, 1))
+            dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
 
     if DQ_GIVEN and USE_G:  # Ḡ's query side from the query-side stage (query_side.py), counted once per chunk
         b_gb += tl.where(i_ks == 0, tl.load(gbq + tok, mask=m_row, other=0.0), 0.0)
@@ -415,15 +497,18 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         chase.check(B * H, NT, q.device)
         if chunk_ranges is not None:
             raise ValueError("chase: the chasing consumer runs in one launch; pass no chunk_ranges with it")
+    # (the flat phase 2, EARLY_LOADS bit 4, is written for the query-side-given Γᵀ-rows path of one program a chunk)
+    early = EARLY_LOADS if dq_given and gamma_t and k_split == 1 else EARLY_LOADS & 3
     for c0, c1 in checked_ranges(chunk_ranges, NT):
         rewy_bwd_kernel_consumer_tma[(c1 - c0, B * H, k_split)](
             *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq, dk if dq_given else None,
             S0 if G is not None else None, dS1 if G is not None else None, chase.flags if chase is not None else None,
+            A if early & 1 else None, v if early & 1 else None, k if early & 6 else None,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
             SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split,
             DQ_GIVEN=dq_given, CHASE=chase is not None, SCAN_PROGRAMS=chase.programs if chase is not None else 0,
-            PDL=chase is not None and chase.pdl, num_warps=num_warps, num_stages=num_stages,
+            PDL=chase is not None and chase.pdl, EARLY=early, num_warps=num_warps, num_stages=num_stages,
             launch_pdl=chase is not None and chase.pdl,
         )
     if k_split > 1:
