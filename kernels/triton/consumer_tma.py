@@ -88,9 +88,10 @@ from .recompute import mm as _mma
 # Under trial (session 41, module flag, not a Schedule field until timed): the consumer's loads outside its
 # pipelined V loops as pointer loads issued ahead of their use. A descriptor load there is a TMA copy and a wait
 # in one place (the sm_90 IR waits right after each copy), so every one is a memory round trip on the chunk's
-# path: per chunk A, each v tile of phase 1, and per K tile K and dk's query part after the V loop. Bits:
-# 1 A and the v tiles by pointer loads (in flight beside phase 1's products); 2 K and dk's query part loaded
-# before the K tile's V loop (in flight beside it; 32 more registers live through the loop).
+# path: per chunk A, each v tile of phase 1, and per K tile K and dk's query part (or Q) after the V loop. Bits:
+# 1 A and the v tiles by pointer loads (in flight beside phase 1's products); 2 K and dk's query part (or Q)
+# loaded before the K tile's V loop (in flight beside it; 32 more registers live through the loop); 4 phase 2
+# as one loop over (K tile, V tile) pairs (`_phase2_flat`; the query-side-given path only).
 EARLY_LOADS = 0
 
 
@@ -98,6 +99,12 @@ EARLY_LOADS = 0
 def _tile(desc, i_b, t0, i_h, col, BT: tl.constexpr, BD: tl.constexpr):
     """The [BT, BD] tile at rows t0.. and columns col.. of head (i_b, i_h) of a [B, T, H, D] descriptor."""
     return desc.load([i_b, t0, i_h, col]).reshape(BT, BD)
+
+
+@triton.jit
+def _row_tile(x, bos, T, H, D: tl.constexpr, t0, i_d, BT: tl.constexpr, BD: tl.constexpr):
+    """Block pointer to the [BT, BD] tile at rows t0.. and column tile i_d of the [B, T, H, D] tensor x, head bos."""
+    return tl.make_block_ptr(x + bos * D, (T, D), (H * D, 1), (t0, i_d * BD), (BT, BD), (1, 0))
 
 
 @triton.jit
@@ -179,10 +186,8 @@ def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_gr
         b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
         b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
         if i_v == NV - 1:
-            p_k = tl.make_block_ptr(k + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-            p_q = tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-            b_k = tl.load(p_k, boundary_check=(0, 1))
-            b_dkq = tl.load(p_q, boundary_check=(0, 1))
+            b_k = tl.load(_row_tile(k, bos, T, H, K, t0, i_k, BT, BK), boundary_check=(0, 1))
+            b_dkq = tl.load(_row_tile(dkq, bos, T, H, K, t0, i_k, BT, BK), boundary_check=(0, 1))
             b_kf = b_k.to(tl.float32)
             b_ak = _mma(b_gr, b_k.to(DT), PREC)
             b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_kf, b_e, b_gamma, b_tau, b_gamma, is_last,
@@ -199,7 +204,7 @@ def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_gr
 @triton.jit(do_not_specialize=["T", "NT", "H", "n_tok", "c_off"])
 def rewy_bwd_kernel_consumer_tma(
     q_d, k_d, v_d, r_d, rb_d, do_d, a_d, s0_d, ds1_d, dq_d, dk_d, dv_d,
-    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, dkq, s0, ds1, progress, a, v, k,
+    G, erase, write, dk_col, gam, pst, dg, derase, dwrite, gbq, dkq, s0, ds1, progress, a, v, k, q,
     T, NT, scale, n_tok, c_off,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -329,11 +334,11 @@ def rewy_bwd_kernel_consumer_tma(
                     b_gb_col = _column_side(dk_col, b_q, b_k.to(tl.float32), b_e, b_gq, b_gr, b_gb_col, T, H, K, t0,
                                             i_k, BT, BK, DT, PREC, USE_G, not DQ_GIVEN)
             if EARLY & 2:  # in flight through the V loop below
-                b_k_early = tl.load(tl.make_block_ptr(k + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0)),
-                                    boundary_check=(0, 1))
+                b_k_early = tl.load(_row_tile(k, bos, T, H, K, t0, i_k, BT, BK), boundary_check=(0, 1))
                 if DQ_GIVEN:
-                    b_dkq_early = tl.load(tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK),
-                                                            (1, 0)), boundary_check=(0, 1))
+                    b_dkq_early = tl.load(_row_tile(dkq, bos, T, H, K, t0, i_k, BT, BK), boundary_check=(0, 1))
+                else:
+                    b_q_early = tl.load(_row_tile(q, bos, T, H, K, t0, i_k, BT, BK), boundary_check=(0, 1))
             b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
             b_kt = tl.zeros([BT, BK], dtype=tl.float32)  # K̄_t = R dS1ᵀ
             for i_v in range(0, (V + BV - 1) // BV):
@@ -369,15 +374,18 @@ def rewy_bwd_kernel_consumer_tma(
                 b_q = b_k
                 b_qf = b_kf
             else:
-                b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
+                if EARLY & 2:
+                    b_q = b_q_early
+                else:
+                    b_q = _tile(q_d, i_b, t0, i_h, i_k * BK, BT, BK)
                 b_qf = b_q.to(tl.float32)
             if not SPLIT_DQ:
                 if not GAMMA_T:
                     b_gb_col = _column_side(dk_col, b_q, b_kf, b_e, b_gq, b_gr, b_gb_col, T, H, K, t0, i_k, BT, BK, DT,
                                             PREC, USE_G, not DQ_GIVEN)
                 if not DQ_GIVEN:
-                    b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h, i_k,
-                                        BT, BK, DT, PREC, USE_G)
+                    b_gb = _dq_epilogue(dq_d, b_qg, b_gq, b_k, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, i_b, t0, i_h,
+                                        i_k, BT, BK, DT, PREC, USE_G)
 
             b_ak = _mma(b_gr, b_k.to(DT), PREC)
             b_dkr, b_der, b_gb, b_tail = _dk_rows(b_pe, b_ak, b_kt, b_kf, b_qf, b_e, b_gamma, b_tau, b_hd, is_last,
@@ -387,8 +395,8 @@ def rewy_bwd_kernel_consumer_tma(
                 if EARLY & 2:
                     b_dkr += b_dkq_early.to(tl.float32)
                 else:
-                    p_q = tl.make_block_ptr(dkq + bos * K, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-                    b_dkr += tl.load(p_q, boundary_check=(0, 1)).to(tl.float32)
+                    b_dkq = tl.load(_row_tile(dkq, bos, T, H, K, t0, i_k, BT, BK), boundary_check=(0, 1))
+                    b_dkr += b_dkq.to(tl.float32)
 
             if GAMMA_T:
                 b_brow, b_gb_col = _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT, PREC, USE_G, not DQ_GIVEN)
@@ -504,6 +512,7 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
             *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq, dk if dq_given else None,
             S0 if G is not None else None, dS1 if G is not None else None, chase.flags if chase is not None else None,
             A if early & 1 else None, v if early & 1 else None, k if early & 6 else None,
+            q if early & 2 and not dq_given else None,
             T, NT, float(scale), B * T * H, c0,
             H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), ONE_BETA=one_beta,
             SPLIT_DQ=bool(dq_first), GAMMA_T=bool(gamma_t), STORE_P=bool(store_p), KSPLIT=k_split,

@@ -1823,12 +1823,15 @@ def test_kernels_compile_for_sm90():
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
 
 
-@pytest.mark.parametrize("flag", ["consumer_tma.EARLY_LOADS=1", "consumer_tma.EARLY_LOADS=2",
-                                  "consumer_tma.EARLY_LOADS=4", "consumer_tma.EARLY_LOADS=7",
-                                  "query_side.EARLY_LOADS=1", "query_side.EARLY_LOADS=2"])
+@pytest.mark.parametrize("dq_stage,flag", [
+    ("separate", "consumer_tma.EARLY_LOADS=1"), ("separate", "consumer_tma.EARLY_LOADS=2"),
+    ("separate", "consumer_tma.EARLY_LOADS=4"), ("separate", "consumer_tma.EARLY_LOADS=7"),
+    ("separate", "query_side.EARLY_LOADS=1"), ("separate", "query_side.EARLY_LOADS=2"),
+    # the consumer that forms dq too: bits 1 and 2 (Q early instead of dk's query part), bit 4 not taken
+    ("consumer", "consumer_tma.EARLY_LOADS=3"), ("consumer", "consumer_tma.EARLY_LOADS=7")])
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
-def test_early_loads(op, policy, flag):
+def test_early_loads(op, policy, dq_stage, flag):
     # the EARLY_LOADS flags (under trial) of the consumer and the query-side stage: loads issued ahead of their use,
     # and phase 2 as one loop over (K tile, V tile) pairs. The same products in the same order: the bits of the
     # default form, and the gates on a tail chunk with an initial state, two K tiles and two V tiles (the flat
@@ -1836,10 +1839,10 @@ def test_early_loads(op, policy, flag):
     from rewy_tune.kernels.triton.flags import module_flags, parse_flag
 
     x = make_inputs(op, 1, 100, 2, 32, 32, seed=61)
-    s = BASE.replace(consumer="joint_tma", consumer_order="dq_first", column_side="gamma_t", dq_stage="separate",
+    s = BASE.replace(consumer="joint_tma", consumer_order="dq_first", column_side="gamma_t", dq_stage=dq_stage,
                      consumer_cfg={"block_k": 16, "block_v": 16})
     ref = run_triton(x, s, policy)
     with module_flags(dict([parse_flag(flag)])):
         out = run_triton(x, s, policy)
-    assert_gates(out, oracle(x), ctx=f"{op} {policy} {flag}")
-    assert_same_bits(out, ref, ctx=f"{op} {policy} {flag} against the default form")
+    assert_gates(out, oracle(x), ctx=f"{op} {policy} {dq_stage} {flag}")
+    assert_same_bits(out, ref, ctx=f"{op} {policy} {dq_stage} {flag} against the default form")
