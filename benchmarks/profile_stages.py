@@ -48,15 +48,6 @@ FLAG_VARIANTS = {
     # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
-    # session 41: the scalar consumer's and the query-side stage's loads outside their pipelined loops issued ahead
-    # (consumer_tma.EARLY_LOADS 1: A and v by pointer loads, 2: K and dk's query part before the V loop, 4: phase 2
-    # as one loop over (K tile, V tile) pairs; query_side.EARLY_LOADS 1: Q, K before the V loop, 2: one flat loop)
-    "cons-early3": ({"consumer_tma.EARLY_LOADS": 3}, {}),
-    "cons-flat5": ({"consumer_tma.EARLY_LOADS": 5}, {}),
-    "qs-early1": ({"query_side.EARLY_LOADS": 1}, {}),
-    "qs-flat2": ({"query_side.EARLY_LOADS": 2}, {}),
-    "early-both": ({"consumer_tma.EARLY_LOADS": 3, "query_side.EARLY_LOADS": 1}, {}),
-    "flat-both": ({"consumer_tma.EARLY_LOADS": 5, "query_side.EARLY_LOADS": 2}, {}),
 }
 
 
@@ -308,6 +299,11 @@ def variants_for(op: str, base):
     # session 39: the reverse scan 16 wide where it runs whole on a small grid (Schedule.reverse_scan_small_grid_block_v;
     # DeltaNet A's default takes it), and without it
     out["small-grid-off"] = base.replace(reverse_scan_small_grid_block_v=0)
+    # session 41: the joint_tma consumer's loads outside its pipelined loops where used (the form before), ahead of
+    # use, or ahead with phase 2 as one flat loop (Schedule.consumer_loads; DeltaNet A's default takes "flat")
+    if base.consumer == "joint_tma":
+        for loads in ("at_use", "ahead", "flat"):
+            out[f"loads-{loads.replace('_', '-')}"] = base.replace(consumer_loads=loads)
     out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN

@@ -100,6 +100,17 @@ scan's programs on SMs that would stay idle, and each chunk step issues less (De
 occupancy rule allows and loses (session 38: (1, 8192, 4) 18 % slower); at B·H >= 16 its grid fills the SMs the
 query-side stage and the consumer would take. A value not below ``reverse_scan.block_v`` changes nothing; the
 constraints reject it. The gradients are the same sums, formed over narrower tiles.
+``consumer_loads`` is read by joint_tma only: where its tiles outside the pipelined V loops are loaded. On sm_90 a
+descriptor load outside such a loop is a TMA copy waited for where it is issued, a memory round trip on the chunk's
+path each (per chunk A and every v tile of phase 1; per K tile K, and Q or dk's query part, after its V loop).
+"at_use" loads each where it is used (the form before session 41); "ahead" loads A and v by pointer loads (in flight
+beside phase 1's products) and K with Q or dk's query part before the K tile's V loop (in flight beside it);
+"flat" loads A and v as "ahead" does and runs phase 2 as one loop over (K tile, V tile) pairs, the dk epilogue at a
+K tile's last V tile, so the next K tile's first copies are in flight during it. "flat" is written for the consumer
+whose dq comes from the query-side stage (dq_stage "separate") with column_side "gamma_t" and one program per chunk;
+where consumer_k_split 0 gives two programs it runs as "ahead", and the constraints reject it where it never applies.
+The same products in the same order: the same bits whichever value (session 41, H100: DeltaNet A's consumer 2-3 %
+shorter at B·H >= 16 with "ahead" or "flat").
 """
 
 from __future__ import annotations
@@ -113,6 +124,7 @@ CONSUMER_MODES = ("joint", "separate", "joint_tma")
 CONSUMER_ORDERS = ("fused", "dq_first")
 COLUMN_SIDES = ("scratch", "gamma_t")
 P_TILES = ("recompute", "stored")
+CONSUMER_LOADS = ("at_use", "ahead", "flat")
 W_SOURCES = ("recompute", "forward")
 SIDE_STREAMS = ("none", "dv_local", "reverse_scan")
 DQ_STAGES = ("consumer", "separate")
@@ -218,6 +230,8 @@ class Schedule:
     reverse_scan_qdo: str = "in_step"  # DeltaNet's reverse scan: Qᵀ dO formed in its chunk step, or the step before
     # ("ahead"; "split": where the scan splits)
     reverse_scan_small_grid_block_v: int = 0  # the reverse scan's value tile where it runs whole on a small grid
+    consumer_loads: str = "at_use"  # joint_tma: its tiles outside the pipelined V loops loaded where used, "ahead"
+    # of use, or ahead with phase 2 as one "flat" loop over (K tile, V tile) pairs
 
     def __post_init__(self) -> None:
         # integer choices: an int of the listed values (1.0 or True compare equal to 1, and would reach the kernels)
@@ -242,7 +256,7 @@ class Schedule:
                               ("pd_dtype", PD_DTYPES), ("intra", INTRA_MODES),
                               ("intra_precision", INTRA_PRECISIONS),
                               ("dv_local_source", DV_LOCAL_SOURCES), ("consumer_order", CONSUMER_ORDERS),
-                              ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES),
+                              ("column_side", COLUMN_SIDES), ("p_tiles", P_TILES), ("consumer_loads", CONSUMER_LOADS),
                               ("w_source", W_SOURCES), ("side_stream", SIDE_STREAMS), ("dq_stage", DQ_STAGES),
                               ("scan_operands", SCAN_OPERANDS), ("reverse_scan_layout", REVERSE_SCAN_LAYOUTS),
                               ("reverse_scan_qdo", REVERSE_SCAN_QDO)):

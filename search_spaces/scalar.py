@@ -37,7 +37,7 @@ SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
-TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage")
+TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_loads")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
@@ -90,6 +90,7 @@ def space(K: int = 128, V: int = 128, policy: str | None = None, op: str | None 
         "p_tiles": ["recompute", "stored"],
         "side_stream": ["none", "dv_local", "reverse_scan"],
         "dq_stage": ["consumer", "separate"],
+        "consumer_loads": ["at_use", "ahead", "flat"],
         "consumer_ranges": list(CONSUMER_RANGES),
         # no more programs per chunk than K tiles of the narrowest consumer tile (16): the consumers lower a wider one;
         # 0 ("auto") picks 1 or 2 from the grid at launch (the H200 defaults)
@@ -267,6 +268,7 @@ def constraint(schedule: Schedule, problem_dims: Any, op: str | None = None) -> 
         reasons.append("dv_local_source 'scan': only the 'kv' reverse scan forms dv_local (reverse_scan_layout "
                        f"{schedule.reverse_scan_layout!r})")
     reasons += qdo_ahead_reasons(schedule, op if op is not None else op_of(problem_dims))
+    reasons += flat_loads_reasons(schedule)
     if schedule.consumer == "joint_tma" and not tma_rows_fit(K, V):
         reasons.append(f"consumer 'joint_tma': TMA rows must be 16-byte multiples, so K={K} and V={V} must be "
                        "multiples of 8 (the pipeline would run the pointer kernel instead)")
@@ -306,6 +308,21 @@ def qdo_ahead_reasons(schedule: Schedule, op: str | None) -> list[str]:
         return [f"reverse_scan_qdo {qdo!r} is read by DeltaNet's reverse scan alone (no gate): {op}'s gated scan "
                 "forms Qᵀ dO in its step"]
     return []
+
+
+def flat_loads_reasons(schedule: Schedule) -> list[str]:
+    """consumer_loads "flat" where it never runs its flat phase 2 (and so would time "ahead" again): the joint_tma
+    consumer forming dq itself, dk's column side through the fp32 scratch, or more than one program per chunk."""
+    if schedule.consumer_loads != "flat" or schedule.consumer != "joint_tma":
+        return []
+    need = [f"{name} {want!r} (got {got!r})" for name, want, got in (
+        ("dq_stage", "separate", schedule.dq_stage), ("column_side", "gamma_t", schedule.column_side)) if got != want]
+    if schedule.consumer_k_split > 1:
+        need.append(f"consumer_k_split 0 or 1 (got {schedule.consumer_k_split})")
+    if not need:
+        return []
+    return ["consumer_loads 'flat' runs its one-loop phase 2 only with " + ", ".join(need)
+            + "; elsewhere it is 'ahead'"]
 
 
 def compute_capability_of(problem_dims: Any) -> tuple[int, int] | None:
@@ -498,6 +515,11 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # 43.9 under R, where its reverse scan runs beside the forward scan: GDN takes it under A alone. The
             # other five bench shapes do not take it; split at B·H = 4 the narrower tile lost (session 38).
             reverse_scan_small_grid_block_v=16 if wide_scans and tma and (op == "deltanet" or policy == "A") else 0,
+            # DeltaNet A: A and v by pointer loads and phase 2 as one flat loop over (K tile, V tile) pairs, so the
+            # consumer's copies are in flight through its epilogues. Session 41 sweep on an H100 (RESULTS.md): its
+            # consumer 92.7 -> ~90 µs at (2, 2048, 16); the backward (1, 2048, 16) 0.1218 -> 0.1205 ms, (2, 2048, 16)
+            # 0.2211 -> 0.2173, (1, 8192, 16) 0.4470 -> 0.4350, level at B·H = 4. The others are not timed with it.
+            consumer_loads="flat" if deltanet_a else "at_use",
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

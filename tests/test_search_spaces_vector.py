@@ -193,6 +193,24 @@ def test_scalar_space_offers_small_grid_widths_the_constraint_accepts():
         base.replace(reverse_scan_small_grid_block_v=16), 40, 40)
 
 
+
+def test_consumer_loads_in_the_scalar_space_alone_and_flat_where_it_runs():
+    # consumer_loads: offered to joint_tma (conditional on it), not to the vector gates; the constraint rejects "flat"
+    # wherever it would run as "ahead", naming each field that keeps it from its one-loop phase 2
+    assert scalar.space(128, 128)["consumer_loads"] == ["at_use", "ahead", "flat"]
+    assert scalar.CONDITIONS["consumer_loads"] == ("consumer", "joint_tma")
+    assert "consumer_loads" not in vector.space(128, 128)
+    flat = scalar.default_schedule((9, 0), op="deltanet", policy="A")
+    assert flat.consumer_loads == "flat" and scalar.constraint(flat, H200) == []
+    assert scalar.constraint(flat.replace(consumer_k_split=1), H200) == []
+    assert scalar.default_schedule((9, 0), op="gdn", policy="A").consumer_loads == "at_use"
+    assert scalar.default_schedule(None, op="deltanet", policy="A").consumer_loads == "at_use"
+    assert ("consumer_loads 'flat' runs its one-loop phase 2 only with dq_stage 'separate' (got 'consumer'), "
+            "column_side 'gamma_t' (got 'scratch'), consumer_k_split 0 or 1 (got 2); elsewhere it is 'ahead'") in \
+        scalar.constraint(flat.replace(dq_stage="consumer", column_side="scratch", consumer_k_split=2), H200)
+    assert scalar.constraint(flat.replace(dq_stage="consumer", consumer_loads="ahead"), H200) == []
+    assert scalar.flat_loads_reasons(flat.replace(consumer="joint", dq_stage="consumer")) == []  # not read there
+
 # DeltaNet A's reverse scan compiled ahead for sm_90 (K = V = 128, bf16; compile_times.py --op deltanet --policy A
 # --kernels rewy_bwd_scan, session 37's table in benchmarks/RESULTS.md and session 38's BV 64 rows): changes to the
 # H200 default's (BV 32, 4 warps, 3 stages), bytes of shared memory. "ahead" holds the next chunk's q tile and a third
@@ -395,7 +413,7 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         base = vector.default_schedule((9, 0), K=K, V=V)
         # the vector space is the scalar one without joint_tma's own fields (vector gates never run joint_tma) and
         # the transposed reverse scan (scalar gates only: the vector constraint rejects it)
-        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage"}
+        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_loads"}
         assert set(scalar.TMA_ONLY_FIELDS) == tma_only
         no_gate_only = {"reverse_scan_layout", "reverse_scan_qdo"}  # scalar-gate (qdo: no-gate) reverse scan forms
         assert set(scalar.space(K, V)) - tma_only - no_gate_only <= set(sp) and not tma_only & set(sp)
@@ -575,15 +593,17 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):
             assert (vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
                     == vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R"))
-    # the scalar defaults: the same under both policies but for DeltaNet's query-side stage (session 35) and its Qᵀ dO
-    # a step ahead where the reverse scan splits (session 38) under A on Hopper with 16-bit inputs; DeltaNet's take a
+    # the scalar defaults: the same under both policies but for DeltaNet's query-side stage (session 35), its Qᵀ dO
+    # a step ahead where the reverse scan splits (session 38) and its consumer's flat loads (session 41) under A on
+    # Hopper with 16-bit inputs; DeltaNet's take a
     # 16-wide reverse scan on a small grid under both (session 39; GDN's under A alone, session 40), and
     # 128-row state blocks there under both (session 38); the generic and fp32 defaults do not differ
     dn_a = default_schedule((9, 0), op="deltanet", policy="A")
     dn_r = default_schedule((9, 0), op="deltanet", policy="R")
     assert (dn_a.dq_stage, dn_r.dq_stage) == ("separate", "consumer")
     assert (dn_a.reverse_scan_qdo, dn_r.reverse_scan_qdo) == ("split", "in_step")
-    assert dn_a == dn_r.replace(dq_stage="separate", reverse_scan_qdo="split")
+    assert (dn_a.consumer_loads, dn_r.consumer_loads) == ("flat", "at_use")
+    assert dn_a == dn_r.replace(dq_stage="separate", reverse_scan_qdo="split", consumer_loads="flat")
     gdn_a = default_schedule((9, 0), op="gdn", policy="A")
     gdn_r = default_schedule((9, 0), op="gdn", policy="R")
     assert dn_r.reverse_scan_small_grid_block_v == 16 and gdn_r.reverse_scan_small_grid_block_v == 0

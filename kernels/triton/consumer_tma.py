@@ -85,14 +85,9 @@ from .local import (_chased_chunk, _check_consumer_args, _chunk_prologue, _chunk
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
-# Under trial (session 41, module flag, not a Schedule field until timed): the consumer's loads outside its
-# pipelined V loops as pointer loads issued ahead of their use. A descriptor load there is a TMA copy and a wait
-# in one place (the sm_90 IR waits right after each copy), so every one is a memory round trip on the chunk's
-# path: per chunk A, each v tile of phase 1, and per K tile K and dk's query part (or Q) after the V loop. Bits:
-# 1 A and the v tiles by pointer loads (in flight beside phase 1's products); 2 K and dk's query part (or Q)
-# loaded before the K tile's V loop (in flight beside it; 32 more registers live through the loop); 4 phase 2
-# as one loop over (K tile, V tile) pairs (`_phase2_flat`; the query-side-given path only).
-EARLY_LOADS = 0
+# Schedule.consumer_loads as the kernel's EARLY bits: 1 A and the v tiles by pointer loads, 2 K and Q or dk's query
+# part before a K tile's V loop, 4 phase 2 as one flat loop (`_phase2_flat`)
+LOAD_BITS = {"at_use": 0, "ahead": 3, "flat": 5}
 
 
 @triton.jit
@@ -305,7 +300,7 @@ def rewy_bwd_kernel_consumer_tma(
     # Phase 2: per K tile the three [C, BK] products over V, then the dq / dk epilogue. SPLIT_DQ ("dq_first"): Q̄_g
     # gets its own V pass, and dq and dk's column side are finished before Ē_dir and K̄_t are formed (three [C, BK]
     # fp32 accumulators next to the epilogue spill; S0 and Q, K are loaded twice instead).
-    if FLAT:  # (EARLY_LOADS bit 4: DQ_GIVEN, GAMMA_T, KSPLIT 1; the launcher checks)
+    if FLAT:  # (DQ_GIVEN, GAMMA_T, KSPLIT 1: the launcher checks, `flat_applies`)
         b_der, b_gb, b_gb_col, b_frob, b_tail = _phase2_flat(
             r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_grt, b_e, b_gamma, b_tau, is_last, b_der, b_gb,
             b_gb_col, b_frob, b_tail, scale, T, H, i_b, t0, i_h, i_s, bos, K, V, BT, BK, BV, DT, PREC, USE_G)
@@ -422,6 +417,12 @@ def rewy_bwd_kernel_consumer_tma(
         tl.extra.cuda.gdc_wait()
 
 
+def flat_applies(dq_given: bool, gamma_t: bool, k_split: int) -> bool:
+    """Whether consumer_loads "flat" runs its flat phase 2: dq from the query-side stage, column_side "gamma_t" and
+    one program per chunk (k_split as launched); elsewhere it runs as "ahead"."""
+    return dq_given and gamma_t and k_split == 1
+
+
 def tma_supported(*tensors: torch.Tensor) -> bool:
     """Whether every tensor meets TMA's layout rules: 16-byte aligned base and 16-byte multiple strides (but the
     last, which must be 1). The pipeline uses the pointer consumer when this is False."""
@@ -439,7 +440,8 @@ def _desc4(t: torch.Tensor, BT: int, BD: int) -> TensorDescriptor:
 def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: float, P=None, D=None,
                  chunk_size: int = 64, BK: int = 64, BV: int = 64, num_warps: int = 4, num_stages: int = 2,
                  one_beta: bool = False, dq_first: bool = False, gamma_t: bool = False, store_p: bool = False,
-                 k_split: int = 1, dq=None, gbq=None, dk=None, chunk_ranges=None, dv_out=None, chase=None):
+                 k_split: int = 1, dq=None, gbq=None, dk=None, chunk_ranges=None, dv_out=None, chase=None,
+                 loads: str = "at_use"):
     """``local.consumer``'s joint mode through tensor descriptors (same arguments, same returns); ``dq_first``:
     phase 2 in the "dq_first" order; ``gamma_t``: dk's column side as rows from Γ_qᵀ, Γ_rᵀ; ``store_p``: P's tiles
     kept from phase 1 for phase 2; ``k_split``: programs per chunk, each over its share of the K tiles (module
@@ -453,7 +455,10 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
     writes them, so dv_local is not held beside a dv of its own while the scan goes on. ``chase``: a
     `scan.ScanProgress` (`pipeline.CONSUMER_CHASES_SCAN`): the reverse scan was the last launch on this stream and
     may still run, publishing its chunks into chase.flags; this one launch waits for each chunk's count (on a GPU as
-    the scan's programmatic dependent). Same bits as a launch after the scan."""
+    the scan's programmatic dependent). Same bits as a launch after the scan. ``loads``: Schedule.consumer_loads
+    ("at_use", "ahead", "flat"; same bits)."""
+    if loads not in LOAD_BITS:
+        raise ValueError(f"loads must be one of {tuple(LOAD_BITS)}, got {loads!r}")
     if P is not None or D is not None:
         raise ValueError("consumer 'joint_tma' fuses the producer: P and D must be None")
     B, T, H, K = q.shape
@@ -505,8 +510,8 @@ def consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, scale: fl
         chase.check(B * H, NT, q.device)
         if chunk_ranges is not None:
             raise ValueError("chase: the chasing consumer runs in one launch; pass no chunk_ranges with it")
-    # (the flat phase 2, EARLY_LOADS bit 4, is written for the query-side-given Γᵀ-rows path of one program a chunk)
-    early = EARLY_LOADS if dq_given and gamma_t and k_split == 1 else EARLY_LOADS & 3
+    # (the flat phase 2 is written for the query-side-given Γᵀ-rows path of one program a chunk; elsewhere "ahead")
+    early = LOAD_BITS["ahead" if loads == "flat" and not flat_applies(dq_given, gamma_t, k_split) else loads]
     for c0, c1 in checked_ranges(chunk_ranges, NT):
         rewy_bwd_kernel_consumer_tma[(c1 - c0, B * H, k_split)](
             *descs, G, erase, write, dk_col, gam, pst, dgp, derp, dwp, gbq, dk if dq_given else None,

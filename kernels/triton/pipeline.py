@@ -16,8 +16,8 @@ chunk step or the step before, or the step before where the scan splits; reverse
 tile where it runs whole on a small grid, `small_grid_block_v`); scan_state_rows → both scans (rows per register block
 of the state);
 producer + pd_dtype → producer (separate only); consumer_cfg + consumer → consumer (joint_tma: `consumer_tma.py`,
-with consumer_order, column_side, p_tiles and consumer_k_split); cumsum → chunk_cumsum; intra, intra_precision and
-dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in dv_local). w_source is read by
+with consumer_order, column_side, p_tiles, consumer_k_split and consumer_loads); cumsum → chunk_cumsum; intra,
+intra_precision and dv_local_source are validated but scalar gates form Λ exactly (and recompute A_qk in dv_local). w_source is read by
 the autograd Function (`kernels/triton_function.py`): under policy A with "forward" it passes the forward's W here
 and recompute_wu does not run. side_stream → which stages run on a second CUDA stream (`side_stream_mode`): dv_local
 beside the recompute stage and the forward scan, and ("reverse_scan") the reverse scan beside the forward scan too.
@@ -161,7 +161,8 @@ def rewy_backward_triton(q, k, v, g, erase, write, A, do, dht, *, scale, initial
                                                  dq_first=schedule.consumer_order == "dq_first",
                                                  gamma_t=schedule.column_side == "gamma_t",
                                                  store_p=schedule.p_tiles == "stored",
-                                                 k_split=schedule.consumer_k_split, one_beta=one_beta))
+                                                 k_split=schedule.consumer_k_split, loads=schedule.consumer_loads,
+                                                 one_beta=one_beta))
 
 
 def _separate_query_side(schedule: Schedule) -> bool:
@@ -170,8 +171,8 @@ def _separate_query_side(schedule: Schedule) -> bool:
 
 
 def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: bool, dq_first: bool,
-                     gamma_t: bool, store_p: bool, k_split: int, dq=None, gbq=None, dk=None, chunk_ranges=None,
-                     dv_out=None, chase=None, **kw):
+                     gamma_t: bool, store_p: bool, k_split: int, loads: str = "at_use", dq=None, gbq=None, dk=None,
+                     chunk_ranges=None, dv_out=None, chase=None, **kw):
     """The scalar consumer the schedule names. A "joint_tma" schedule on tensors that TMA cannot address
     (unaligned base or strides) runs the pointer kernel: the same products, results equal to rounding (it forms dq
     itself; a dq from the query-side stage is then not used). The pointer kernel does not chase the scan: launched
@@ -179,7 +180,7 @@ def _scalar_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, *, tma: 
     if tma and tma_supported(q, k, v, A, R, Rbar, S0, dS1, do):
         return consumer_tma(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, dq_first=dq_first, gamma_t=gamma_t,
                             store_p=store_p, k_split=k_split, dq=dq, gbq=gbq, dk=dk, chunk_ranges=chunk_ranges,
-                            dv_out=dv_out, chase=chase, **kw)
+                            dv_out=dv_out, chase=chase, loads=loads, **kw)
     for _ in chunk_ranges or ():  # the pointer kernel runs once, after the whole reverse scan
         pass
     return run_consumer(q, k, v, G, erase, write, A, R, Rbar, S0, dS1, do, **kw)

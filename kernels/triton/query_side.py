@@ -35,39 +35,6 @@ from .local import _chunk_prologue, _diagonal, _dq_rows, _gamma_matrices, _row_g
 from .recompute import dot_precision
 from .recompute import mm as _mma
 
-# Under trial (session 41, module flag): 1 Q's and K's tiles loaded before their K tile's V loop (in flight beside
-# it, not a memory round trip after it); 2 phase 2 as one loop over (K tile, V tile) pairs, so the copies of the next
-# K tile's first tiles are in flight while this K tile's dq and dk_q epilogue runs.
-EARLY_LOADS = 0
-
-
-@triton.jit
-def _qk_tiles(q, k, T, H, K: tl.constexpr, t0, i_k, BT: tl.constexpr, BK: tl.constexpr):
-    """Q's and K's [BT, BK] tiles of the chunk at K tile i_k."""
-    p_q = tl.make_block_ptr(q, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    return tl.load(p_q, boundary_check=(0, 1)), tl.load(p_k, boundary_check=(0, 1))
-
-
-@triton.jit
-def _query_side_rows(dq, dk, b_qg, b_gq, b_gqt, b_q, b_k, b_hd, b_gamma, b_gb, scale, T, H, K: tl.constexpr, t0, i_k,
-                     BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, USE_G: tl.constexpr):
-    """One K tile's dq rows (the consumer's epilogue, `local._dq_rows`) and dk_q = Γ_qᵀ Q + s⟨dO, R⟩ Q, stored;
-    returns Ḡ's query-side accumulator."""
-    b_qf = b_q.to(tl.float32)
-    b_kf = b_k.to(tl.float32)
-    b_aq = _mma(b_gq, b_k.to(DT), PREC)
-    b_dq, b_gb = _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G)
-    p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
-    b_bq = _mma(b_gqt, b_q.to(DT), PREC)  # Γ_qᵀ Q, dk's column side from the query
-    if USE_G:
-        b_gb -= tl.sum(b_kf * b_bq, axis=1)  # Ḡ's column side, −⟨K, Γ_qᵀ Q⟩
-    b_dkq = b_bq + (scale * b_hd)[:, None] * b_qf
-    p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
-    tl.store(p_dk, b_dkq.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
-    return b_gb
-
 
 @triton.jit(do_not_specialize=["T", "NT", "H"])
 def rewy_bwd_kernel_query_side(
@@ -75,7 +42,7 @@ def rewy_bwd_kernel_query_side(
     T, NT, scale,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, PREC: tl.constexpr, EARLY: tl.constexpr = 0,
+    USE_G: tl.constexpr, PREC: tl.constexpr,
 ):
     i_t, i_b, i_h, t0, o_i, m_row, tok, n_rows, is_last = _chunk_prologue(T, H, BT, 0)
     bos = (i_b * T * H + i_h).to(tl.int64)  # token (b, 0, h)
@@ -113,35 +80,29 @@ def rewy_bwd_kernel_query_side(
 
     # Phase 2: per K tile Q̄_g = dO S0ᵀ over V, then the consumer's dq epilogue and dk_q
     b_gb = tl.zeros([BT], dtype=tl.float32)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    if EARLY & 2:
+    for i_k in range(0, (K + BK - 1) // BK):
         b_qg = tl.zeros([BT, BK], dtype=tl.float32)
-        for it in range(0, ((K + BK - 1) // BK) * NV):
-            i_k = it // NV
-            i_v = it % NV
+        for i_v in range(0, (V + BV - 1) // BV):
             p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
             p_s0t = tl.make_block_ptr(S0, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
             b_qg += _mma(tl.load(p_do, boundary_check=(0, 1)).to(DT),
                          tl.load(p_s0t, boundary_check=(0, 1)).to(DT), PREC)
-            if i_v == NV - 1:
-                b_q, b_k = _qk_tiles(q, k, T, H, K, t0, i_k, BT, BK)
-                b_gb = _query_side_rows(dq, dk, b_qg, b_gq, b_gqt, b_q, b_k, b_hd, b_gamma, b_gb, scale, T, H, K, t0,
-                                        i_k, BT, BK, DT, PREC, USE_G)
-                b_qg = tl.zeros([BT, BK], dtype=tl.float32)
-    else:
-        for i_k in range(0, (K + BK - 1) // BK):
-            if EARLY & 1:  # in flight beside the V loop
-                b_q, b_k = _qk_tiles(q, k, T, H, K, t0, i_k, BT, BK)
-            b_qg = tl.zeros([BT, BK], dtype=tl.float32)
-            for i_v in range(0, NV):
-                p_do = tl.make_block_ptr(do, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0))
-                p_s0t = tl.make_block_ptr(S0, (V, K), (1, V), (i_v * BV, i_k * BK), (BV, BK), (0, 1))
-                b_qg += _mma(tl.load(p_do, boundary_check=(0, 1)).to(DT),
-                             tl.load(p_s0t, boundary_check=(0, 1)).to(DT), PREC)
-            if not (EARLY & 1):
-                b_q, b_k = _qk_tiles(q, k, T, H, K, t0, i_k, BT, BK)
-            b_gb = _query_side_rows(dq, dk, b_qg, b_gq, b_gqt, b_q, b_k, b_hd, b_gamma, b_gb, scale, T, H, K, t0, i_k,
-                                    BT, BK, DT, PREC, USE_G)
+        p_q = tl.make_block_ptr(q, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        b_aq = _mma(b_gq, b_k.to(DT), PREC)
+        b_dq, b_gb = _dq_rows(b_qg, b_aq, b_qf, b_kf, b_hd, b_gamma, b_gb, scale, USE_G)
+        p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
+        b_bq = _mma(b_gqt, b_q.to(DT), PREC)  # Γ_qᵀ Q, dk's column side from the query
+        if USE_G:
+            b_gb -= tl.sum(b_kf * b_bq, axis=1)  # Ḡ's column side, −⟨K, Γ_qᵀ Q⟩
+        b_dkq = b_bq + (scale * b_hd)[:, None] * b_qf
+        p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (t0, i_k * BK), (BT, BK), (1, 0))
+        tl.store(p_dk, b_dkq.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
     if USE_G:
         tl.store(gbq + tok, tl.where(m_row, b_gb, 0.0), mask=m_row)
 
@@ -179,7 +140,7 @@ def query_side(q, k, R, S0, G, do, *, scale: float, chunk_size: int = 64, BK: in
         dq, dk, gbq = out
     rewy_bwd_kernel_query_side[(NT, B * H)](
         q, k, R, do, S0, G, dq, dk, gbq, T, NT, float(scale),
-        H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype), EARLY=EARLY_LOADS,
+        H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_G=G is not None, PREC=dot_precision(k.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, gbq

@@ -393,17 +393,20 @@ FIELD_CHANGES = {
     "reverse_scan_qdo": "ahead",  # DeltaNet's (PROBLEM_FOR; GDN's scan forms Qᵀ dO in its step), launches checked
     # at (1, 100, 1) the scan runs whole on 1 program of the interpreter's 8 "SMs": a small grid, its launch checked
     "reverse_scan_small_grid_block_v": 16,
+    "consumer_loads": "flat",  # read by joint_tma: paired with it below, with the query-side stage (its flat phase 2)
 }
 
 
 # fields read by one consumer only: changed on a base that runs it
 READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
            "p_tiles": "joint_tma", "consumer_k_split": "joint_tma", "dq_stage": "joint_tma",
-           "consumer_ranges": "joint_tma"}
+           "consumer_ranges": "joint_tma", "consumer_loads": "joint_tma"}
 # fields read only where another field allows it: both schedules take that value (K = 32 in two 16-wide tiles; the
 # scans' state tiles cover K = 128)
 BASE_FOR = {"consumer_k_split": {"consumer_cfg": {"block_k": 16}},
-            "scan_state_rows": {"forward_scan": {"block_k": 128}, "reverse_scan": {"block_k": 128}}}
+            "scan_state_rows": {"forward_scan": {"block_k": 128}, "reverse_scan": {"block_k": 128}},
+            "consumer_loads": {"dq_stage": "separate", "column_side": "gamma_t", "consumer_k_split": 1,
+                               "consumer_cfg": {"block_k": 16, "block_v": 16}}}
 # fields read under one policy only: both schedules run under it
 POLICY_FOR = {"w_source": "A"}
 # fields read by one operator or at some head dims only: (op, K = V) of both runs (others: GDN at 32)
@@ -412,7 +415,10 @@ PROBLEM_FOR = {"scan_state_rows": ("gdn", 128), "reverse_scan_qdo": ("deltanet",
 # the scan kernels' launch constexpr that carries it, {kernel: (constexpr, base's value, changed's value)}
 LAUNCH_FOR = {"scan_state_rows": {"rewy_fwd_scan_kernel": ("KB", 64, 128), "rewy_bwd_scan_kernel": ("KB", 64, 128)},
               "reverse_scan_qdo": {"rewy_bwd_scan_kernel": ("QDO_AHEAD", False, True)},
-              "reverse_scan_small_grid_block_v": {"rewy_bwd_scan_kernel": ("BV", 32, 16)}}
+              "reverse_scan_small_grid_block_v": {"rewy_bwd_scan_kernel": ("BV", 32, 16)},
+              "consumer_loads": {"rewy_bwd_kernel_consumer_tma": ("EARLY", 0, 5)}}
+# the module of LAUNCH_FOR's kernels (others: the scans')
+LAUNCH_MODULE = {"consumer_loads": "consumer_tma"}
 
 
 def test_field_changes_cover_schedule():
@@ -421,7 +427,9 @@ def test_field_changes_cover_schedule():
 
 @pytest.mark.parametrize("field", list(FIELD_CHANGES))
 def test_each_field_one_at_a_time(field, monkeypatch):
-    from rewy_tune.kernels.triton import scan
+    import importlib
+
+    module = importlib.import_module(f"rewy_tune.kernels.triton.{LAUNCH_MODULE.get(field, 'scan')}")
 
     base = BASE.replace(consumer=READ_BY[field]) if field in READ_BY else BASE
     base = base.replace(**BASE_FOR.get(field, {}))
@@ -434,7 +442,7 @@ def test_each_field_one_at_a_time(field, monkeypatch):
     policy = POLICY_FOR.get(field, "R")
     launched = {kernel: set() for kernel in LAUNCH_FOR.get(field, {})}
     for kernel, (name, *_) in LAUNCH_FOR.get(field, {}).items():
-        spy_kernel_launches(monkeypatch, scan, kernel, lambda a, kw, g, k=kernel, n=name: launched[k].add(kw[n]))
+        spy_kernel_launches(monkeypatch, module, kernel, lambda a, kw, g, k=kernel, n=name: launched[k].add(kw[n]))
     assert_gates(run_triton(x, base, policy), ref_base, ctx=f"{field} base")
     assert launched == {k: {was} for k, (_, was, _) in LAUNCH_FOR.get(field, {}).items()}, field
     for seen in launched.values():
@@ -1248,6 +1256,26 @@ def test_gpu_small_grid_scan_in_the_defaults(op, policy, B, T, H, monkeypatch):
     assert_same_bits(run_triton(x, s, policy), out, ctx=ctx + ", run twice")
 
 
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("B,T,H", [(1, 500, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)])
+@pytest.mark.parametrize("op,policy", [("deltanet", "A"), ("deltanet", "R"), ("gdn", "A")])
+def test_gpu_consumer_loads(op, policy, B, T, H):
+    # Schedule.consumer_loads on the operator's default (DeltaNet A's takes "flat"): each value passes the bf16 gate
+    # and gives the bits of "at_use" (pointer loads and one flat loop feed the same products in the same order);
+    # "flat" run twice the same bits beside the reverse scan
+    s = _gpu_default(op=op, policy=policy)
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 41, gate_div=1.0)
+    ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
+    base = run_triton(x, s.replace(consumer_loads="at_use"), policy)
+    for loads in ("ahead", "flat") if s.dq_stage == "separate" else ("ahead",):
+        ctx = f"gpu {op} {policy} default {B},{T},{H} consumer_loads {loads}"
+        out = run_triton(x, s.replace(consumer_loads=loads), policy)
+        assert_bf16(out, ref, ctx)
+        assert_same_bits(out, base, ctx=ctx + " against 'at_use'")
+        assert_same_bits(run_triton(x, s.replace(consumer_loads=loads), policy), out, ctx=ctx + ", run twice")
+
 @pytest.mark.parametrize("order,column,k_split", [("fused", "scratch", 1), ("dq_first", "gamma_t", 1),
                                                     ("fused", "gamma_t", 2)])
 @pytest.mark.parametrize("policy", ["R", "A"])
@@ -1823,26 +1851,36 @@ def test_kernels_compile_for_sm90():
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
 
 
-@pytest.mark.parametrize("dq_stage,flag", [
-    ("separate", "consumer_tma.EARLY_LOADS=1"), ("separate", "consumer_tma.EARLY_LOADS=2"),
-    ("separate", "consumer_tma.EARLY_LOADS=4"), ("separate", "consumer_tma.EARLY_LOADS=7"),
-    ("separate", "query_side.EARLY_LOADS=1"), ("separate", "query_side.EARLY_LOADS=2"),
-    # the consumer that forms dq too: bits 1 and 2 (Q early instead of dk's query part), bit 4 not taken
-    ("consumer", "consumer_tma.EARLY_LOADS=3"), ("consumer", "consumer_tma.EARLY_LOADS=7")])
+@pytest.mark.parametrize("dq_stage,k_split,loads,bits", [
+    ("separate", 1, "ahead", 3), ("separate", 1, "flat", 5),
+    ("separate", 2, "flat", 3),  # two programs a chunk: "flat" runs as "ahead"
+    ("consumer", 1, "ahead", 3)])  # the consumer that forms dq too: Q ahead in place of dk's query part
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("op", ["deltanet", "gdn"])
-def test_early_loads(op, policy, dq_stage, flag):
-    # the EARLY_LOADS flags (under trial) of the consumer and the query-side stage: loads issued ahead of their use,
-    # and phase 2 as one loop over (K tile, V tile) pairs. The same products in the same order: the bits of the
-    # default form, and the gates on a tail chunk with an initial state, two K tiles and two V tiles (the flat
-    # loop's index arithmetic)
-    from rewy_tune.kernels.triton.flags import module_flags, parse_flag
+def test_consumer_loads(op, policy, dq_stage, k_split, loads, bits, monkeypatch):
+    # Schedule.consumer_loads: A, v, K and Q or dk's query part by pointer loads issued ahead of their use, and phase
+    # 2 as one loop over (K tile, V tile) pairs. The same products in the same order: the bits of "at_use", and the
+    # gates on a tail chunk with an initial state, two K tiles and two V tiles (the flat loop's index arithmetic);
+    # the form each value launches
+    from rewy_tune.kernels.triton import consumer_tma
 
     x = make_inputs(op, 1, 100, 2, 32, 32, seed=61)
     s = BASE.replace(consumer="joint_tma", consumer_order="dq_first", column_side="gamma_t", dq_stage=dq_stage,
-                     consumer_cfg={"block_k": 16, "block_v": 16})
+                     consumer_k_split=k_split, consumer_cfg={"block_k": 16, "block_v": 16})
     ref = run_triton(x, s, policy)
-    with module_flags(dict([parse_flag(flag)])):
-        out = run_triton(x, s, policy)
-    assert_gates(out, oracle(x), ctx=f"{op} {policy} {dq_stage} {flag}")
-    assert_same_bits(out, ref, ctx=f"{op} {policy} {dq_stage} {flag} against the default form")
+    launched = set()
+    spy_kernel_launches(monkeypatch, consumer_tma, "rewy_bwd_kernel_consumer_tma",
+                        lambda a, kw, g: launched.add(kw["EARLY"]))
+    out = run_triton(x, s.replace(consumer_loads=loads), policy)
+    assert launched == {bits}
+    assert_gates(out, oracle(x), ctx=f"{op} {policy} {dq_stage} k_split {k_split} {loads}")
+    assert_same_bits(out, ref, ctx=f"{op} {policy} {dq_stage} k_split {k_split} {loads} against 'at_use'")
+
+
+def test_consumer_loads_rejects_an_unknown_value():
+    from rewy_tune.kernels.triton.consumer_tma import consumer_tma
+
+    with pytest.raises(ValueError, match=r"consumer_loads must be one of \('at_use', 'ahead', 'flat'\), got 'early'"):
+        BASE.replace(consumer_loads="early")
+    with pytest.raises(ValueError, match=r"loads must be one of \('at_use', 'ahead', 'flat'\), got 'early'"):
+        consumer_tma(*[None] * 12, scale=1.0, loads="early")  # refused before any tensor is read
