@@ -109,8 +109,9 @@ beside phase 1's products) and K with Q or dk's query part before the K tile's V
 K tile's last V tile, so the next K tile's first copies are in flight during it. "flat" is written for the consumer
 whose dq comes from the query-side stage (dq_stage "separate") with column_side "gamma_t" and one program per chunk;
 where consumer_k_split 0 gives two programs it runs as "ahead", and the constraints reject it where it never applies.
-The same products in the same order: the same bits whichever value (session 41, H100: DeltaNet A's consumer 2-3 %
-shorter at B·H >= 16 with "ahead" or "flat").
+The same products in the same order: the same bits whichever value, but for d_write on a GPU, whose row sums ⟨v, P⟩
+are reduced in the pointer-loaded v tile's layout, in another order (within a bf16 rounding step). Session 41, H100:
+DeltaNet A's consumer 2-3 % shorter at B·H >= 16 with "ahead" or "flat".
 """
 
 from __future__ import annotations

@@ -67,6 +67,17 @@ are the bits of one launch.
 scan still runs, as its programmatic dependent; each program takes a chunk from the last (`local._chased_chunk`)
 and waits for the scan's count of it (`local._wait_for_scan`) before its first R̄ tile.
 
+``Schedule.consumer_loads`` (``loads``): "at_use" loads every tile through its descriptor where it is used. Outside a
+pipelined loop the sm_90 IR waits for a descriptor copy where it is issued, so each such load is a memory round trip
+on the chunk's path: A, and each v tile of phase 1 (used in registers, not by a product, so not pipelined), and per
+K tile K and Q or dk's query part after the V loop, whose first copies also start cold. "ahead" loads A and v by
+pointer loads (their latency runs beside phase 1's products) and K with Q or dk's query part before the K tile's V
+loop; "flat" loads A and v so and runs phase 2 as one loop over (K tile, V tile) pairs (`_phase2_flat`, the
+query-side-given Γᵀ-rows path of one program a chunk; "ahead" elsewhere), so the next K tile's copies are in flight
+during the dk epilogue. sm_90, DeltaNet A: 74 -> 98 KB of shared memory, 252 -> 238 registers. Session 41 sweep
+(H100): the consumer 92.7 -> 89.7 µs at (2, 2048, 16), the backward 1.5-2.7 % shorter at B·H >= 16. The gradients are
+the same bits but d_write, whose row sums the v tile's layout orders otherwise on a GPU.
+
 Descriptors are 4-D over the [B, T, H, D] tensors, block [1, BT, 1, BD], so a chunk never reads another
 sequence's rows; the states' descriptors are 3-D over [B·NT·H, K, V]. TMA needs 16-byte aligned base addresses
 and row strides (`tma_supported`); the pipeline takes the pointer kernel otherwise.

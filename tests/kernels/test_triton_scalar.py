@@ -1263,8 +1263,10 @@ def test_gpu_small_grid_scan_in_the_defaults(op, policy, B, T, H, monkeypatch):
 @pytest.mark.parametrize("op,policy", [("deltanet", "A"), ("deltanet", "R"), ("gdn", "A")])
 def test_gpu_consumer_loads(op, policy, B, T, H):
     # Schedule.consumer_loads on the operator's default (DeltaNet A's takes "flat"): each value passes the bf16 gate
-    # and gives the bits of "at_use" (pointer loads and one flat loop feed the same products in the same order);
-    # "flat" run twice the same bits beside the reverse scan
+    # and gives the bits of "at_use" (pointer loads and one flat loop feed the same products in the same order) but
+    # for d_write: its row sums ⟨v, P⟩ are reduced in the pointer-loaded v tile's layout, in another order (session
+    # 41, H100: every other gradient the same bits), so it is held to a bf16 rounding step of "at_use"'s; run twice,
+    # the same bits beside the reverse scan
     s = _gpu_default(op=op, policy=policy)
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 41, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
@@ -1273,7 +1275,10 @@ def test_gpu_consumer_loads(op, policy, B, T, H):
         ctx = f"gpu {op} {policy} default {B},{T},{H} consumer_loads {loads}"
         out = run_triton(x, s.replace(consumer_loads=loads), policy)
         assert_bf16(out, ref, ctx)
-        assert_same_bits(out, base, ctx=ctx + " against 'at_use'")
+        assert_same_bits({**out, "d_write": None}, {**base, "d_write": None}, ctx=ctx + " against 'at_use'")
+        if base["d_write"] is not None:
+            a, b = out["d_write"].float(), base["d_write"].float()
+            assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-6 * b.abs().max().item()), ctx + ": d_write"
         assert_same_bits(run_triton(x, s.replace(consumer_loads=loads), policy), out, ctx=ctx + ", run twice")
 
 @pytest.mark.parametrize("order,column,k_split", [("fused", "scratch", 1), ("dq_first", "gamma_t", 1),
