@@ -1816,17 +1816,25 @@ for dt in ("bf16",):  # the production dtype; fp32 differs only in dot precision
     sig.update({"T": "i32", "NT": "i32", "H": "i32", "scale": "fp32", "n_tok": "i32", "c_off": "i32"})
     sig.update({n: "constexpr" for n in ("K", "V", "BT", "BK", "BV", "USE_G", "PREC", "ONE_BETA", "SPLIT_DQ",
                                          "GAMMA_T", "STORE_P", "KSPLIT")})
-    for use_g, split, gamma_t, store_p, nw, ks in (
-            (True, False, False, False, 8, 1), (False, False, False, False, 8, 1), (True, True, False, False, 8, 1),
-            (True, True, False, False, 4, 1), (True, False, True, False, 8, 1), (False, True, True, False, 4, 1),
-            (True, True, True, True, 4, 1), (False, False, False, True, 8, 1), (True, True, True, False, 4, 2),
-            (False, True, True, False, 4, 2)):
+    for use_g, split, gamma_t, store_p, nw, ks, early in (
+            (True, False, False, False, 8, 1, 0), (False, False, False, False, 8, 1, 0),
+            (True, True, False, False, 8, 1, 0), (True, True, False, False, 4, 1, 0),
+            (True, False, True, False, 8, 1, 0), (False, True, True, False, 4, 1, 0),
+            (True, True, True, True, 4, 1, 0), (False, False, False, True, 8, 1, 0),
+            (True, True, True, False, 4, 2, 0), (False, True, True, False, 4, 2, 0),
+            # consumer_loads "ahead" (forming dq) and "flat" (dq, dk's query part and Ḡ_q given by the query side)
+            (True, True, True, False, 4, 1, 3), (False, True, True, False, 4, 1, 5),
+            (True, True, True, False, 4, 1, 5)):
         # the column-side scratch is one of two buffers: the other is passed as None (a constexpr); so is P's
         sig_g = {**sig, "dk_col": "constexpr" if gamma_t else "*fp32", "gam": p if gamma_t else "constexpr",
                  "pst": p if store_p else "constexpr"}
+        given = bool(early & 4)  # the flat phase 2 is the query-side-given consumer's
+        if early:
+            sig_g.update({"a": p, "v": p, "k": p, **({"dkq": p, "gbq": "*fp32"} if given else {"q": p})})
         compile_(consumer_tma.rewy_bwd_kernel_consumer_tma, sig_g,
                  {"K": 128, "V": 128, "BT": 64, "BK": 64, "BV": 64, "USE_G": use_g, "PREC": "tf32",
                   "ONE_BETA": use_g, "SPLIT_DQ": split, "GAMMA_T": gamma_t, "STORE_P": store_p, "KSPLIT": ks,
+                  "EARLY": early, "DQ_GIVEN": given,
                   **({"dk_col": None} if gamma_t else {"gam": None}), **({} if store_p else {"pst": None})}, nw)
     for has_w in (True, False):  # the k_split parts' sum (KDA-like two buffers, or one β)
         compile_(local.rewy_bwd_kernel_row_parts,
