@@ -170,7 +170,7 @@ def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_gr
     """Phase 2 of the query-side-given consumer (dq_stage "separate", column_side "gamma_t", one program per chunk)
     as one loop over the (K tile, V tile) pairs, so the pipeliner copies the next K tile's first tiles while this
     K tile's last products and its dk epilogue run (nested loops restart the copies cold each K tile). The epilogue
-    runs at a K tile's last V tile; K and dk's query part are pointer loads issued at its first."""
+    runs at a K tile's last V tile and reads K and dk's query part by pointer loads."""
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK
     b_pe = tl.zeros([BT, BK], dtype=tl.float32)  # P S0ᵀ (= −Ē_dir)
@@ -247,9 +247,8 @@ def rewy_bwd_kernel_consumer_tma(
     b_w = tl.load(write + tok, mask=m_row, other=0.0).to(tl.float32)
     b_g, b_gn, b_gamma, b_tau = _row_gates(G, tok, m_row, is_last, BT, USE_G)
     # Aᵀ, keeping j ≤ i (FLA's buffer is not guaranteed zero above the diagonal of a tail chunk)
-    if EARLY & 1:  # (k_d's base and strides: a, v are [B, T, H, ·] too)
-        b_at = tl.trans(tl.load(tl.make_block_ptr(a + bos * BT, (T, BT), (H * BT, 1), (t0, 0), (BT, BT), (1, 0)),
-                                boundary_check=(0,)))
+    if EARLY & 1:  # a pointer load: in flight beside phase 1's first copies (A is [B, T, H, BT])
+        b_at = tl.trans(tl.load(_row_tile(a, bos, T, H, BT, t0, 0, BT, BT), boundary_check=(0,)))
     else:
         b_at = tl.trans(_tile(a_d, i_b, t0, i_h, 0, BT, BT))
     b_at = tl.where(o_i[:, None] <= o_i[None, :], b_at, 0.0).to(DT)
@@ -268,8 +267,7 @@ def rewy_bwd_kernel_consumer_tma(
             b_do = _tile(do_d, i_b, t0, i_h, i_v * BV, BT, BV)
             b_H += _mma(b_do.to(DT), tl.trans(b_r).to(DT), PREC)
         if EARLY & 1:
-            b_vt = tl.load(tl.make_block_ptr(v + bos * V, (T, V), (H * V, 1), (t0, i_v * BV), (BT, BV), (1, 0)),
-                           boundary_check=(0, 1))
+            b_vt = tl.load(_row_tile(v, bos, T, H, V, t0, i_v, BT, BV), boundary_check=(0, 1))
         else:
             b_vt = _tile(v_d, i_b, t0, i_h, i_v * BV, BT, BV)
         b_dwr += tl.sum(b_vt.to(tl.float32) * b_p, axis=1)
