@@ -18,6 +18,7 @@ import triton
 
 from rewy_tune import measure
 from rewy_tune.kernels.triton import scan
+from rewy_tune.schedule import state_blocks
 
 # (B·H, NS): KDA/GDN2 A at (1, 512, 4) 64-wide reverse scan: 8 programs -> 4 segments of 2 chunks; (1, 4096, 8) and
 # (1, 8192, 4): 8 segments; (1, 2048, 16): 4 segments; DeltaNet/GDN at B·H = 4: up to 8
@@ -26,7 +27,7 @@ K = V = 128
 
 
 def _launch(stages, X, first, h_in, NS):
-    KB, NB = scan._state_blocks(K)
+    KB, NB = state_blocks(K)
     scan.rewy_segment_combine_carry_kernel[(triton.cdiv(V, scan.COMBINE_BV), h_in.shape[0])](
         X, first, h_in, H=h_in.shape[0], K=K, V=V, VP=V, NS=NS, KB=KB, NB=NB, BV=scan.COMBINE_BV,
         USE_FIRST=True, REVERSE=True, PREC="tf32", num_warps=4, num_stages=stages)

@@ -135,12 +135,13 @@ def _combine_fn(warps, bh, ns, gen_seed=0):
     import triton
 
     from rewy_tune.kernels.triton import scan
+    from rewy_tune.schedule import state_blocks
 
     g = torch.Generator(device="cuda").manual_seed(gen_seed + bh * 10 + ns)
     X = torch.randn(bh, ns, K, V + K, device="cuda", generator=g) * 0.05
     first = torch.randn(bh, K, V, device="cuda", generator=g)
     h_in = torch.full((bh, ns, K, V), float("nan"), device="cuda")
-    KB, NB = scan._state_blocks(K)
+    KB, NB = state_blocks(K)
 
     def fn():
         scan.rewy_segment_combine_carry_kernel[(triton.cdiv(V, scan.COMBINE_BV), bh)](

@@ -149,6 +149,15 @@ SPLIT_WAVES = (0, 1, 2, 4)  # scan_split_waves: 0 = no occupancy limit on the se
 STAGES = ("recompute", "forward_scan", "dv_local", "reverse_scan", "producer", "consumer_cfg", "cumsum")
 
 
+def state_blocks(K: int, rows: int = 64) -> tuple[int, int]:
+    """(KB, NB): rows per register block of the scans' state and the number of blocks, as the scan kernels compile
+    them (`kernels/triton/scan.py`) and the search spaces count them. KB is K rounded up to a power of two (at least
+    16), at most 64, or at most `rows` (Schedule.scan_state_rows) where K > 64."""
+    kp = max(16, 1 << max(0, (K - 1).bit_length()))
+    KB = min(rows if K > 64 else 64, kp)
+    return KB, -(-K // KB)
+
+
 def _pow2(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (x & (x - 1)) == 0
 

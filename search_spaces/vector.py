@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rewy_tune.schedule import Schedule, StageConfig
+from rewy_tune.schedule import Schedule, StageConfig, state_blocks
 from rewy_tune.search_spaces import scalar
 from rewy_tune.search_spaces.scalar import (
     _dims,
@@ -117,16 +117,10 @@ def space(K: int = 128, V: int = 128, policy: str | None = None, op: str | None 
     return out
 
 
-def _state_block_rows(schedule: Schedule, K: int) -> int:
-    """KB, the rows of one register block of the scans' state as compiled (`scan._scan_state_blocks`): K rounded up
-    to a power of two, at most Schedule.scan_state_rows, and at most 64 where K ≤ 64."""
-    return min(schedule.scan_state_rows if K > 64 else 64, max(16, _pow2_ceil(K)))
-
-
 def _state_rows(schedule: Schedule, K: int) -> int:
-    """Rows of the scans' state as compiled: NB blocks of KB rows (`_state_block_rows`)."""
-    kb = _state_block_rows(schedule, K)
-    return -(-K // kb) * kb
+    """Rows of the scans' state as compiled: NB blocks of KB rows (`schedule.state_blocks`)."""
+    kb, nb = state_blocks(K, schedule.scan_state_rows)
+    return nb * kb
 
 
 def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[str, int]:
@@ -147,7 +141,7 @@ def shared_memory_estimate(schedule: Schedule, K: int, V: int, e: int) -> dict[s
     # reverse scan's k, qᵀ, Wᵀ (input dtype), G and Gᵀ (fp32), G_n, dO and dv_local [C, BV]. Besides: the
     # current state-block tiles (a [C, KB] fp32 gate block, a [C, Kp] input-dtype tile, the [C, BV] dot
     # operands; the forward scan's fitted 3/2·C·BV·e covers U and R).
-    KB = _state_block_rows(schedule, K)
+    KB = state_blocks(K, schedule.scan_state_rows)[0]
     fs, rs = schedule.forward_scan, schedule.reverse_scan
     if schedule.scan_operands in ("pregated", "forward"):
         # No [C, K] gate tile: per stage the forward scan's K_tᵀ and W, the reverse scan's K_t, Q_gᵀ and Wᵀ (input

@@ -23,7 +23,7 @@ the scan's FLOPs. Exact in exact arithmetic; in floating point it re-associates 
 (Ψ_s products are contractions for |β k|² ≤ 2 and g ≤ 0, so errors do not grow).
 
 State blocks. The K rows of the state tile are held as NB register blocks of KB = min(64, K) rows (K ≤ 64: one,
-≤ 128: two, ≤ 256: four; with state_rows=128, Schedule.scan_state_rows, blocks of up to 128 rows: `_scan_state_blocks`),
+≤ 128: two, ≤ 256: four; with state_rows=128, Schedule.scan_state_rows, blocks of up to 128 rows: `schedule.state_blocks`),
 so every per-step product is a [BT, KB] × [KB, BV] or [KB, BT] × [BT, BV] tile with
 input-dtype operands and fp32 accumulation (tl.dot with the accumulator passed in). The scalar gate scales the
 [BT, BV] rows (R, K dS, dO) instead of the [K, BT] operands: K_tᵀR = Kᵀ(diag(exp(G_n − G)) R), K_t dS =
@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rewy_tune.schedule import REVERSE_SCAN_LAYOUTS, REVERSE_SCAN_QDO, SCAN_STATE_ROWS
+from rewy_tune.schedule import REVERSE_SCAN_LAYOUTS, REVERSE_SCAN_QDO, SCAN_STATE_ROWS, state_blocks
 
 from .recompute import GATE_VECTOR, dot_precision, gate_kind, validate_chunk_size, validate_launch, validate_tile
 
@@ -861,12 +861,6 @@ def _check_scan_args(K, V, chunk_size, BK, BV, num_warps, num_stages, state_dtyp
         raise ValueError(f"num_segments must be a positive int, got {num_segments!r}")
 
 
-def _state_blocks(K: int) -> tuple[int, int]:
-    """(rows per state register block KB ≤ 64, number of blocks NB): K ≤ 64 → one, ≤ 128 → two, ≤ 256 → four."""
-    KB = min(64, max(16, triton.next_power_of_2(K)))
-    return KB, triton.cdiv(K, KB)
-
-
 # Rows per state register block of both scans ("kv" layout, every gate form; Schedule.scan_state_rows): 64 as FLA's
 # kernels hold them, or 128. At K = 128 one block makes each reverse chunk step three tensor-core products (K_t dS,
 # Q_gᵀ dO, Wᵀ R̄, each m64 x k128 or m128 x k64) instead of six, each waited for and fenced once, and each forward step
@@ -875,16 +869,6 @@ def _state_blocks(K: int) -> tuple[int, int]:
 # registers; KDA/GDN2 A 7 -> 4 waits (212 -> 225 registers), R 6 -> 3; the forward scans under R 4 -> 2 (DeltaNet 362
 # -> 360 instructions). Timed on an H100 in session 38 (`scan_bench.py`, profile variants "rows128*"): DeltaNet's sm_90
 # default takes 128 rows; the other operators' keep 64. The rows allowed: schedule.SCAN_STATE_ROWS.
-
-
-def _scan_state_blocks(K: int, rows: int) -> tuple[int, int]:
-    """(KB, NB) of the scan kernels (forward and reverse) for state blocks of up to `rows` rows: `_state_blocks`
-    (rows 64), or one block of up to `rows` rows per `rows` of K where K > 64 (K ≤ 64 keeps its one block)."""
-    KB, NB = _state_blocks(K)
-    if rows > KB and K > KB:
-        KB = min(rows, triton.next_power_of_2(K))
-        NB = triton.cdiv(K, KB)
-    return KB, NB
 
 
 def _check_state_rows(state_rows) -> None:
@@ -912,7 +896,7 @@ def combine_carry_shared_memory(K: int, stages: int) -> int:
     and one to three stages (K = 128: 28 672 B at one stage, 143 360 at two, 208 896 at three): one [KB, KB] Ψ
     block at one stage, else all NB² of a step per stage, plus NB + 1 fp32 [KB, BV] tiles (the state blocks as dot
     operands and the bias)."""
-    KB, NB = _state_blocks(K)
+    KB, NB = state_blocks(K)
     psi = KB * KB if stages <= 1 else stages * NB * NB * KB * KB
     return (psi + (NB + 1) * KB * COMBINE_BV) * 4
 
@@ -936,9 +920,9 @@ def combine_carry_stages(K: int, device: torch.device, stages: int | None = None
 
 def _segment_combine(X, first, h_in, *, H, K, V, VP, NS, reverse, prec, num_warps):
     """Entering states h_in [B·H, NS, K, V] of every segment from their transfer matrices and biases X. The combine
-    takes its own register blocks (`_state_blocks`), whatever the scans' (state_rows): its shared memory is
+    takes its own register blocks (`state_blocks` at 64 rows), whatever the scans' (state_rows): its shared memory is
     sized from them (`combine_carry_shared_memory`)."""
-    KB, NB = _state_blocks(K)
+    KB, NB = state_blocks(K)
     grid = (triton.cdiv(V, COMBINE_BV), h_in.shape[0])
     args = dict(H=H, K=K, V=V, VP=VP, NS=NS, KB=KB, NB=NB, BV=COMBINE_BV, USE_FIRST=first is not None,
                 REVERSE=reverse, PREC=prec, num_warps=num_warps)
@@ -1054,7 +1038,7 @@ def forward_state_scan(
     initial_state None | [B,H,K,V]. Grid: cdiv(V,BV) × B·H × num_segments programs (see the module docstring);
     split_max_programs > 0 limits that grid (`split_program_limit`, `_segments`). pregated (vector G only): k is
     K_t = K ⊙ exp(G_n − G) from `scan_operands.gated_scan_operands`, and the scan reads G's last rows alone.
-    state_rows (Schedule.scan_state_rows): the state's register blocks hold up to 64 or 128 rows (`_scan_state_blocks`;
+    state_rows (Schedule.scan_state_rows): the state's register blocks hold up to 64 or 128 rows (`schedule.state_blocks`;
     the same code where K ≤ 64).
     """
     B, T, H, K = k.shape
@@ -1077,7 +1061,7 @@ def forward_state_scan(
     prec = dot_precision(k.dtype)
     Hs = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     R = torch.empty(B, T, H, V, dtype=k.dtype, device=k.device)
-    KB, NB = _scan_state_blocks(K, state_rows)
+    KB, NB = state_blocks(K, state_rows)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, PREC=prec,
                   EARLY_GN=EARLY_GATE_ROW, num_warps=num_warps, num_stages=num_stages)
     h_in = h0
@@ -1234,7 +1218,7 @@ def reverse_state_scan_ranges(
     (`rewy_bwd_scan_vk_kernel`: no gate or a scalar gate, dv_local read or none; not with aqk or progress). A split
     scan's transfer pass and combine run the "kv" kernel either way.
     state_rows (Schedule.scan_state_rows): the "kv" kernel's state blocks hold up to 64 or 128 rows
-    (`_scan_state_blocks`; the same code where K ≤ 64). The "vk" kernel takes its own blocks.
+    (`schedule.state_blocks`; the same code where K ≤ 64). The "vk" kernel takes its own blocks.
     qdo (Schedule.reverse_scan_qdo; no gate, "kv" layout): "ahead" forms each chunk step's Qᵀ dO (with
     dv_local_from_qk its dv_local too) at the end of the step before, from the q and dO tiles as loaded, so
     that Triton waits for those products at the next step's first one rather than before −Wᵀ R̄ (the "kv" loop
@@ -1292,7 +1276,7 @@ def reverse_state_scan_ranges(
     dS1 = torch.empty(B, NT, H, K, V, dtype=state_dtype, device=k.device)
     Rbar = torch.empty(B, T, H, V, dtype=do.dtype, device=k.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if want_dh0 else None
-    KB, NB = _scan_state_blocks(K, state_rows)
+    KB, NB = state_blocks(K, state_rows)
     dvl_kind = 3 if dv_local_from_qk else 0 if dvl is None else 2 if aqk is not None else 1  # the kernel's HAS_DVL
     ahead = code == 0 and (qdo == "ahead" or (qdo == "split" and NS > 1))  # (a gate's scan forms Qᵀ dO in its step)
     common = dict(H=H, K=K, V=V, VP=VP, BT=chunk_size, KB=KB, NB=NB, BV=BV, GATE=code, HAS_DVL=dvl_kind,

@@ -24,6 +24,7 @@ from rewy_tune.gates import poison_allocations
 from rewy_tune.kernels.triton.cumsum import chunk_cumsum
 from rewy_tune.kernels.triton.recompute import recompute_wu
 from rewy_tune.kernels.triton.scan import forward_state_scan, reverse_state_scan
+from rewy_tune.schedule import state_blocks
 
 from launch_spy import spy_kernel_launches
 
@@ -490,10 +491,10 @@ def test_scan_state_blocks_of_up_to_128_rows():
     from rewy_tune.kernels.triton import scan
     from rewy_tune.schedule import Schedule
 
-    for K, want in ((128, (64, 2)), (256, (64, 4)), (96, (64, 2)), (64, (64, 1)), (32, (32, 1))):
-        assert scan._scan_state_blocks(K, 64) == scan._state_blocks(K) == want, K
+    for K, want in ((128, (64, 2)), (256, (64, 4)), (96, (64, 2)), (64, (64, 1)), (32, (32, 1)), (8, (16, 1))):
+        assert state_blocks(K, 64) == state_blocks(K) == want, K
     for K, want in ((128, (128, 1)), (256, (128, 2)), (64, (64, 1)), (96, (128, 1)), (32, (32, 1))):
-        assert scan._scan_state_blocks(K, 128) == want, K
+        assert state_blocks(K, 128) == want, K
     # off by default (untimed on a GPU): the launchers' and the Schedule's defaults are the 64-row, in-step forms
     for fn in (scan.forward_state_scan, scan.reverse_state_scan_ranges):
         assert inspect.signature(fn).parameters["state_rows"].default == 64, fn
@@ -580,7 +581,7 @@ def test_segment_combine_kernel_forms_the_recurrence(K, V, NS, reverse, first):
     from rewy_tune.kernels.triton import scan
 
     B_H, H, BV = 3, 3, scan.COMBINE_BV
-    KB, NB = scan._state_blocks(K)
+    KB, NB = state_blocks(K)
     VP = triton.cdiv(V, 16) * 16
     gen = torch.Generator().manual_seed(K + NS)
     X = (torch.randn(B_H, NS, K, VP + K, generator=gen) * 0.3).to(DEV)
@@ -646,7 +647,7 @@ def test_gpu_segment_combine_carry_kernel(K, NS):
     from rewy_tune.kernels.triton import scan
 
     B_H, V = 4, 128
-    KB, NB = scan._state_blocks(K)
+    KB, NB = state_blocks(K)
     gen = torch.Generator(device="cuda").manual_seed(K + NS)
     X = torch.randn(B_H, NS, K, V + K, device="cuda", generator=gen) * 0.05
     h_first = torch.randn(B_H, K, V, device="cuda", generator=gen)
