@@ -427,7 +427,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     (the pointer consumer and the session-11 scans, which its default was measured with). op ("deltanet", "gdn";
     None: GDN's) and policy ("R", "A"; None: R's): the Hopper defaults differ by operator and policy in a few fields,
     each with the sweep that chose it below (DeltaNet's query-side stage under A, its 128-row scan blocks, the
-    small-grid reverse scan).
+    small-grid reverse scan, DeltaNet A's consumer loads).
     The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""

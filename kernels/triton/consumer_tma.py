@@ -163,6 +163,17 @@ def _column_rows(b_gqt, b_grt, b_q, b_kf, b_e, b_gb_col, DT: tl.constexpr, PREC:
 
 
 @triton.jit
+def _state_frob(s0, ds1, i_s, i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """⟨S0, dS1⟩ over one [BK, BV] tile of chunk state i_s, per key row, from pointer loads of its own (the descriptor
+    tiles feed products only, `local._diagonal`)."""
+    base = i_s.to(tl.int64) * (K * V)
+    p_s0 = tl.make_block_ptr(s0 + base, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+    p_ds1 = tl.make_block_ptr(ds1 + base, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+    return tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
+                  * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=1)
+
+
+@triton.jit
 def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_grt, b_e, b_gamma, b_tau, is_last, b_der,
                  b_gb, b_gb_col, b_frob, b_tail, scale, T, H, i_b, t0, i_h, i_s, bos, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
@@ -183,12 +194,7 @@ def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_gr
         b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
         b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
         if USE_G:  # its own pointer loads (see the nested loop)
-            p_s0 = tl.make_block_ptr(s0 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV),
-                                     (1, 0))
-            p_ds1 = tl.make_block_ptr(ds1 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
-                                      (BK, BV), (1, 0))
-            b_frob += tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
-                             * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=1)
+            b_frob += _state_frob(s0, ds1, i_s, i_k, i_v, K, V, BK, BV)
         b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
         b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
         if i_v == NV - 1:
@@ -356,19 +362,14 @@ def rewy_bwd_kernel_consumer_tma(
                 b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)  # rows past K read as zero
                 b_ds1 = ds1_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
                 if USE_G:  # its own pointer loads: the descriptor-loaded tiles feed products only (`local._diagonal`)
-                    p_s0 = tl.make_block_ptr(s0 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
-                                             (BK, BV), (1, 0))
-                    p_ds1 = tl.make_block_ptr(ds1 + i_s.to(tl.int64) * (K * V), (K, V), (V, 1), (i_k * BK, i_v * BV),
-                                              (BK, BV), (1, 0))
-                    b_frob += tl.sum(tl.load(p_s0, boundary_check=(0, 1)).to(tl.float32)
-                                     * tl.load(p_ds1, boundary_check=(0, 1)).to(tl.float32), axis=1)
+                    b_frob += _state_frob(s0, ds1, i_s, i_k, i_v, K, V, BK, BV)
                 b_pe += _mma(b_p.to(DT), tl.trans(b_s0).to(DT), PREC)
                 if not SPLIT_DQ and not DQ_GIVEN:
                     b_qg += _mma(b_do, tl.trans(b_s0).to(DT), PREC)
                 b_kt += _mma(b_r, tl.trans(b_ds1).to(DT), PREC)
 
-            # loaded after the V loop: shorter live ranges (the split path loads them again for dk's rows). DQ_GIVEN
-            # reads no Q: K stands in for it where it is not read
+            # loaded after the V loop: shorter live ranges (the split path loads them again for dk's rows; EARLY & 2
+            # loaded them before it). DQ_GIVEN reads no Q: K stands in for it where it is not read
             if EARLY & 2:
                 b_k = b_k_early
             else:
