@@ -8,7 +8,8 @@ launches that one backward of an operator makes with a given schedule:
 2. compile: a fresh process without the interpreter compiles each recorded launch with an empty Triton
    cache and prints the CPU seconds per kernel (ptxas included; wall time depends on the machine's load), its
    shared memory, and its registers and stack frame per thread from the cubin (`cuobjdump -res-usage`: a stack
-   frame at 255 registers is register spilling, what ncu reports as local-memory spill requests on the GPU).
+   frame at 255 registers is register spilling, what ncu reports as local-memory spill requests on the GPU), and
+   whether ptxas serialized its warpgroup products (its C75xx notes, `ir_hazards.serialized_products`).
    Pointer arguments carry the 16-byte divisibility a GPU launch specializes on (torch allocations are aligned),
    so the loads vectorize and pipeline as on the device; before session 12 they did not, and the static figures
    of earlier sessions (benchmarks/RESULTS.md) overstate instructions and spills of the pointer kernels.
@@ -224,7 +225,7 @@ def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = Fal
     os.environ.pop("TRITON_INTERPRET", None)
     import importlib
 
-    from rewy_tune.ir_hazards import dropped_products, war_hazards
+    from rewy_tune.ir_hazards import dropped_products, serialized_products, war_hazards
 
     out, seen = [], set()
     for rec in launches:
@@ -251,8 +252,9 @@ def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = Fal
         dropped = dropped_products(_cubin_tool("nvdisasm", "-c", c.asm["cubin"]))
         if dropped:  # (ptxas deleted products the PTX still reads: ir_hazards.dropped_products)
             hazards = hazards + [f"{dropped} warpgroup products dropped by ptxas (placeholder HGMMAs in the SASS)"]
-        out.append((rec["name"], _cpu_seconds() - c0, c.metadata.shared, opts, _resource_usage(c.asm["cubin"]),
-                    hazards))
+        seconds = _cpu_seconds() - c0
+        out.append((rec["name"], seconds, c.metadata.shared, opts, _resource_usage(c.asm["cubin"]), hazards,
+                    serialized_products(c.asm["ptx"]) or []))
         if rec["name"] in sass:
             print_sass(rec["name"], opts, c.asm["cubin"], c.asm)
     return out
@@ -358,12 +360,16 @@ def main() -> None:
 
             launches = [rec for rec in launches if re.search(args.kernels, rec["name"])]
         out = _compile(launches, set(filter(None, args.sass.split(","))), pdl=args.chase)
-        for name, s, shared, opts, usage, hazards in out:
+        for name, s, shared, opts, usage, hazards, serialized in out:
             print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {usage}  {opts}")
             for h in hazards:
                 print(f"   HAZARD {h}")
+            for note in serialized:
+                print(f"   SERIALIZED warpgroup products, {note}")
         print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")
-        n = sum(len(h) for *_, h in out)
+        print(f"{sum(1 for *_, ser in out if ser)} kernels with serialized warpgroup products (ptxas C75xx; slower, "
+              f"not wrong: rewy_tune/ir_hazards.serialized_products)")
+        n = sum(len(h) for *_, h, _ in out)
         print(f"{n} hazards: shared-memory write-after-read, or products dropped by ptxas (rewy_tune/ir_hazards.py)")
         if n and args.hazards:
             sys.exit(1)

@@ -304,6 +304,9 @@ def variants_for(op: str, base):
     if base.consumer == "joint_tma":
         for loads in ("at_use", "ahead", "flat"):
             out[f"loads-{loads.replace('_', '-')}"] = base.replace(consumer_loads=loads)
+        # session 42: the query-side stage with the flat consumer (its consumer compiles without serialized products;
+        # the full consumer's are serialized for want of registers, C7512)
+        out["dq-sep-flat"] = base.replace(dq_stage="separate", consumer_loads="flat")
     out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN

@@ -20,6 +20,12 @@ leaving a placeholder ``HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ`` per removed group
 consumer with STATE_ROWSUM_FIRST at K = V = 256 (bf16 S0, 2 stages) lost phase 2's P and P S0ᵀ products, so dk
 (γ P S0ᵀ enters dk and the erase path only) came out wrong on the H200 while dq passed.
 
+`serialized_products(ptx)` finds a performance loss, not a fault: ptxas runs a kernel's warpgroup products one at a
+time (each waited before the next starts) where it cannot keep their accumulators in flight, and says so only in its
+verbose log (C7512 for want of registers, C7515 for a non-product instruction writing an accumulator between a
+product's start and its wait). Session 42: DeltaNet A's flat consumer reset its accumulators after the dk epilogue,
+an ordinary select inside the products' pipeline stage, and every product of the kernel was serialized.
+
 `compiled_hazards(kernel_functions())` applies it to the kernels a process has compiled (their TTGIR kept in Triton's
 cache), and `compiled_dropped_products` the other check to their cubins: the tuner's gate runs both after a
 schedule's gate cases (`trial_worker`), since a run-twice comparison catches such a race only sometimes, and a gate
@@ -124,6 +130,38 @@ def dropped_products(sass: str) -> int:
     ``HGMMA ... RZ, gdesc[URZ], RZ`` stands for a group of ``wgmma.mma_async`` of the PTX that no longer runs. Triton
     emits no product whose result goes unused, so any count above 0 is a product missing from the binary."""
     return len(_DROPPED_HGMMA.findall(sass))
+
+
+# ptxas -v: "(C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to <reason> ..."
+_SERIALIZED = re.compile(r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized due to "
+                         r"(.*?)(?: (?:for|in) the function '[^']*')?\.?\s*$", re.MULTILINE)
+
+
+def serialization_notes(ptxas_log: str) -> list[str]:
+    """The reasons ptxas gives in a verbose log (-v) for serializing warpgroup products, as "C7512: insufficient
+    register resources" (one per note; empty: the products pipeline)."""
+    return [f"{code}: {reason}" for code, reason in _SERIALIZED.findall(ptxas_log)]
+
+
+def serialized_products(ptx: str, arch: str = "sm_90a") -> list[str] | None:
+    """`serialization_notes` of Triton's bundled ptxas assembling `ptx` for `arch` (what Triton's compile ran, its log
+    kept this time), or None where Triton ships no ptxas or it fails."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True)
+    return serialization_notes(done.stderr + done.stdout) if done.returncode == 0 else None
 
 
 def kernel_functions(package: str = "rewy_tune.kernels.triton") -> list:

@@ -105,6 +105,35 @@ def test_no_kernel_of_the_sm90_defaults_has_a_hazard(op, policy, changes, tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.parametrize("op, H", [("deltanet", 16), ("deltanet", 4), ("gdn", 16), ("gdn", 4)])
+def test_the_policy_a_defaults_keep_their_warpgroup_products_pipelined(op, H):
+    # ptxas serializes a kernel's warpgroup products (each waited before the next) for want of registers or where a
+    # non-product instruction writes an accumulator inside their pipeline stage: DeltaNet A's flat consumer did so
+    # until session 42 (its accumulators reset after the dk epilogue, C7515). H 4 and 16: one and two consumer
+    # programs per chunk (consumer_k_split auto). (Under R the full consumers are serialized for want of registers.)
+    args = [sys.executable, str(SCRIPT), "--op", op, "--policy", "A", "--H", str(H)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "0 kernels with serialized warpgroup products" in out.stdout, out.stdout[-3000:]
+
+
+def test_serialization_notes_read_the_ptxas_log():
+    from rewy_tune.ir_hazards import serialization_notes
+
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+           "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non "
+           "wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage "
+           "in the function 'k'\n"
+           "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "insufficient register resources for the function 'k'\n"
+           "ptxas info    : Used 238 registers, used 1 barriers\n")
+    assert serialization_notes(log) == [
+        "C7515: non wgmma instructions defining accumulator registers of a wgmma between start and end of the "
+        "pipeline stage", "C7512: insufficient register resources"]
+    assert serialization_notes(log.split("\n", 1)[0] + "\nptxas info    : Used 238 registers\n") == []
+
+
 class _Compiled:
     """A compiled kernel as Triton's in-memory cache holds it: a name and its IR by stage."""
 

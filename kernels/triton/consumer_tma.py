@@ -189,6 +189,11 @@ def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_gr
     for it in range(0, NK * NV):
         i_k = it // NV
         i_v = it % NV
+        # the accumulators start over at a K tile's first V tile, before its products: reset after the dk epilogue
+        # (session 41), the select lands between the loop's warpgroup products and ptxas serializes all of them
+        # (C7515 "non wgmma instructions defining accumulator registers"; session 42, DeltaNet A 0-2 % per shape)
+        b_pe = tl.where(i_v == 0, 0.0, b_pe)
+        b_kt = tl.where(i_v == 0, 0.0, b_kt)
         b_r = _tile(r_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT)
         b_p = _mma(b_at, _tile(rb_d, i_b, t0, i_h, i_v * BV, BT, BV).to(DT), PREC)
         b_s0 = s0_d.load([i_s, i_k * BK, i_v * BV]).reshape(BK, BV)
@@ -208,8 +213,6 @@ def _phase2_flat(r_d, rb_d, s0_d, ds1_d, dk_d, k, dkq, s0, ds1, b_at, b_gr, b_gr
             b_brow, b_gb_col = _column_rows(b_grt, b_grt, b_k, b_kf, b_e, b_gb_col, DT, PREC, USE_G, False)
             b_dkr += b_brow
             dk_d.store([i_b, t0, i_h, i_k * BK], b_dkr.to(dk_d.dtype).reshape(1, BT, 1, BK))
-            b_pe = tl.zeros([BT, BK], dtype=tl.float32)
-            b_kt = tl.zeros([BT, BK], dtype=tl.float32)
     return b_der, b_gb, b_gb_col, b_frob, b_tail
 
 
