@@ -426,20 +426,21 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     dtype: the inputs' ("bf16", "fp16", "fp32"; None: 16-bit). vector_gates: the base the vector space builds on
     (the pointer consumer and the session-11 scans, which its default was measured with). op ("deltanet", "gdn";
     None: GDN's) and policy ("R", "A"; None: R's): the Hopper defaults differ by operator and policy in a few fields,
-    each with the sweep that chose it below (DeltaNet's query-side stage under A, its 128-row scan blocks, the
+    each with the sweep that chose it below (the query-side stage under A, DeltaNet's 128-row scan blocks, the
     small-grid reverse scan, DeltaNet A's consumer loads).
     The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""
     check_default_dtype(dtype)
-    check_default_policy(policy)  # the scalar defaults differ by policy in dq_stage alone (DeltaNet, below)
+    check_default_policy(policy)
     check_scalar_op(op)
     kk = max(16, _pow2_ceil(K))
     bk = min(64, kk)
     bv = min(64, max(16, _pow2_ceil(V)))
     if compute_capability is not None and tuple(compute_capability) == (9, 0):
         tma = tma_rows_fit(K, V) and not vector_gates
-        deltanet_a = tma and op == "deltanet" and policy == "A" and dtype != "fp32"
+        policy_a = tma and policy == "A" and dtype != "fp32"
+        deltanet_a = policy_a and op == "deltanet"
         # FLA's picks for both scans (32-wide value tiles; 4 stages forward, 3 reverse). Session 13 sweep,
         # (2, 2048, 16): reverse 77 -> 55 µs (GDN). Session 14, once the forward loop matched FLA's (U added after
         # the W·S products, S as stored): forward 55.8 -> 37.5 µs (DeltaNet), 59.7 -> 43.5 µs (GDN). With fp32
@@ -498,8 +499,11 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # ranges' 1.147x). Its race beside the scan (session 34) was a one-slot shared buffer under an
             # asynchronous product (rewy_tune/ir_hazards.py), removed in session 35: the H200's race tests pass, and
             # `rewy-tune bench --op deltanet --policy A` went 1.203 -> 1.283x FLA, every shape faster (RESULTS.md).
-            # GDN is not timed with it yet; R runs the reverse scan beside the forward scan.
-            dq_stage="separate" if deltanet_a else "consumer",
+            # GDN under A as well: session 42 sweep on an H100, every bench shape 3-13 % faster ((1, 2048, 16) 0.1644
+            # -> 0.1430 ms, (1, 8192, 16) 0.5355 -> 0.5023); its full consumer had its warpgroup products serialized
+            # by ptxas for want of registers (C7512), the phase-2 consumer's are not. R (its reverse scan beside the
+            # forward scan) is not timed with it yet.
+            dq_stage="separate" if policy_a else "consumer",
             # DeltaNet at K = 128: both scans hold the state in one 128-row register block (three waited products a
             # reverse step instead of six, two a forward step instead of four). Session 38 sweeps on an H100 (no H200
             # came; RESULTS.md): A every shape but one faster or level, 3-5 % at B·H = 4; R 5-6 % at (1, 2048, 4) and

@@ -593,9 +593,9 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):
             assert (vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
                     == vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R"))
-    # the scalar defaults: the same under both policies but for DeltaNet's query-side stage (session 35), its Qᵀ dO
-    # a step ahead where the reverse scan splits (session 38) and its consumer's flat loads (session 41) under A on
-    # Hopper with 16-bit inputs; DeltaNet's take a
+    # the scalar defaults: the same under both policies but for the query-side stage (DeltaNet session 35, GDN
+    # session 42), DeltaNet's Qᵀ dO a step ahead where the reverse scan splits (session 38) and its consumer's flat
+    # loads (session 41) under A on Hopper with 16-bit inputs; DeltaNet's take a
     # 16-wide reverse scan on a small grid under both (session 39; GDN's under A alone, session 40), and
     # 128-row state blocks there under both (session 38); the generic and fp32 defaults do not differ
     dn_a = default_schedule((9, 0), op="deltanet", policy="A")
@@ -610,7 +610,8 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
     assert dn_r.scan_state_rows == 128 and gdn_r.scan_state_rows == 64
     assert dn_r == default_schedule((9, 0), op="deltanet")
     assert dn_r.replace(scan_state_rows=64, reverse_scan_small_grid_block_v=0) == gdn_r
-    assert gdn_a == gdn_r.replace(reverse_scan_small_grid_block_v=16)
+    assert (gdn_a.dq_stage, gdn_r.dq_stage) == ("separate", "consumer")
+    assert gdn_a == gdn_r.replace(reverse_scan_small_grid_block_v=16, dq_stage="separate")
     assert default_schedule((9, 0), op="gdn") == gdn_r  # (no policy: R's)
     for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 100), (None, None, 128)):
         for op in ("deltanet", "gdn"):  # (K = 100: the pointer consumer, which has no query-side stage)

@@ -1203,7 +1203,7 @@ def assert_bf16(out, ref, ctx):
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 1000, 4), (2, 500, 4)])
 def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
     # each operator's own policy-R default (DeltaNet's differs from GDN's: 128-row scan blocks, the small-grid scan
-    # at (1, 512, 4)); DeltaNet A's is gated below
+    # at (1, 512, 4)); the policy-A defaults are gated below
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     base = _gpu_default(op=op, policy="R")
@@ -1215,17 +1215,18 @@ def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
 @pytest.mark.gpu
 @BF16_ON_INTERPRETER
 @pytest.mark.parametrize("B,T,H", BENCH_SHAPES + [(1, 8192 - 40, 16)])
-def test_gpu_deltanet_a_default_at_bench_shapes(B, T, H):
-    # DeltaNet A's H200 default: the query-side stage, since session 36 before 4 consumer ranges where each has 32
-    # chunks (auto: (1, 8192, 16) here), beside the whole scan elsewhere. The bf16 gate, the bits of one consumer
-    # launch (the ranges' promise), and run-twice bits
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_gpu_policy_a_default_at_bench_shapes(op, B, T, H):
+    # The policy-A H200 defaults: the query-side stage (DeltaNet since session 35, GDN since 42), since session 36
+    # before 4 consumer ranges where each has 32 chunks (auto: (1, 8192, 16) here), beside the whole scan elsewhere.
+    # The bf16 gate, the bits of one consumer launch (the ranges' promise), and run-twice bits
     from rewy_tune.search_spaces import default_schedule
 
-    x = make_inputs("deltanet", B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7,
-                    gate_div=1.0)
-    s = default_schedule(torch.cuda.get_device_capability(), op="deltanet", policy="A")
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7, gate_div=1.0)
+    s = default_schedule(torch.cuda.get_device_capability(), op=op, policy="A")
+    assert s.dq_stage == "separate"
     out = run_triton(x, s, "A")
-    ctx = f"gpu deltanet A default {B},{T},{H}"
+    ctx = f"gpu {op} A default {B},{T},{H}"
     assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
     assert_same_bits(run_triton(x, s.replace(consumer_ranges=1), "A"), out, ctx=ctx + ", one consumer launch")
     assert_same_bits(run_triton(x, s, "A"), out, ctx=ctx + ", run twice")
