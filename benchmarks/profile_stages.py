@@ -307,6 +307,8 @@ def variants_for(op: str, base):
         # session 42: the query-side stage with the flat consumer (its consumer compiles without serialized products;
         # the full consumer's are serialized for want of registers, C7512)
         out["dq-sep-flat"] = base.replace(dq_stage="separate", consumer_loads="flat")
+        # session 42: 32-wide V tiles, where the full consumer under R compiles unserialized (its 64-wide tiles: C7512)
+        out["cons-bv32"] = base.replace(consumer_cfg={"block_v": 32})
     out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN
