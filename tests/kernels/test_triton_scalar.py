@@ -1263,7 +1263,8 @@ def test_gpu_small_grid_scan_in_the_defaults(op, policy, B, T, H, monkeypatch):
 @pytest.mark.parametrize("B,T,H", [(1, 500, 4), (1, 2048, 16), (2, 2048, 16), (1, 8192, 16)])
 @pytest.mark.parametrize("op,policy", [("deltanet", "A"), ("deltanet", "R"), ("gdn", "A")])
 def test_gpu_consumer_loads(op, policy, B, T, H):
-    # Schedule.consumer_loads on the operator's default (DeltaNet A's takes "flat"): each value passes the bf16 gate
+    # Schedule.consumer_loads on the operator's default (DeltaNet A's takes "flat"; with GDN A's query-side stage since
+    # session 42 "flat" is run for it too): each value passes the bf16 gate
     # and gives the bits of "at_use" (pointer loads and one flat loop feed the same products in the same order) but
     # for d_write: its row sums ⟨v, P⟩ are reduced in the pointer-loaded v tile's layout, in another order (session
     # 41, H100: every other gradient the same bits), so it is held to a bf16 rounding step of "at_use"'s; run twice,
@@ -1281,6 +1282,7 @@ def test_gpu_consumer_loads(op, policy, B, T, H):
             a, b = out["d_write"].float(), base["d_write"].float()
             assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-6 * b.abs().max().item()), ctx + ": d_write"
         assert_same_bits(run_triton(x, s.replace(consumer_loads=loads), policy), out, ctx=ctx + ", run twice")
+
 
 @pytest.mark.parametrize("order,column,k_split", [("fused", "scratch", 1), ("dq_first", "gamma_t", 1),
                                                     ("fused", "gamma_t", 2)])
