@@ -252,7 +252,7 @@ def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = Fal
         dropped = dropped_products(_cubin_tool("nvdisasm", "-c", c.asm["cubin"]))
         if dropped:  # (ptxas deleted products the PTX still reads: ir_hazards.dropped_products)
             hazards = hazards + [f"{dropped} warpgroup products dropped by ptxas (placeholder HGMMAs in the SASS)"]
-        seconds = _cpu_seconds() - c0
+        seconds = _cpu_seconds() - c0  # (before serialized_products' own ptxas run, which the compile does not make)
         out.append((rec["name"], seconds, c.metadata.shared, opts, _resource_usage(c.asm["cubin"]), hazards,
                     serialized_products(c.asm["ptx"]) or []))
         if rec["name"] in sass:

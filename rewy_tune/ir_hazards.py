@@ -150,11 +150,10 @@ def serialized_products(ptx: str, arch: str = "sm_90a") -> list[str] | None:
     import subprocess
     import tempfile
 
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
+    ptxas = bundled_tool("ptxas")
+    if ptxas is None:
         return None
+    # (a second ptxas run: Triton's own -v log is deleted unless TRITON_DUMP_PTXAS_LOG prints every kernel's)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
@@ -189,17 +188,24 @@ def forget_compiled(functions) -> None:
         fn.device_caches.clear()
 
 
-def cubin_tool(name: str, option: str, cubin: bytes):
-    """One of Triton's bundled CUDA binary tools (nvdisasm, cuobjdump) run on `cubin`: the finished process (stdout
-    text), or None where Triton ships no such tool."""
+def bundled_tool(name: str) -> str | None:
+    """The path of one of the CUDA tools Triton ships (ptxas, nvdisasm, cuobjdump), or None where it ships none."""
     import os
-    import subprocess
-    import tempfile
 
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(tool):
+    return tool if os.path.exists(tool) else None
+
+
+def cubin_tool(name: str, option: str, cubin: bytes):
+    """One of Triton's bundled CUDA binary tools (nvdisasm, cuobjdump) run on `cubin`: the finished process (stdout
+    text), or None where Triton ships no such tool."""
+    import subprocess
+    import tempfile
+
+    tool = bundled_tool(name)
+    if tool is None:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

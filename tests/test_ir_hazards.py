@@ -109,7 +109,7 @@ def test_no_kernel_of_the_sm90_defaults_has_a_hazard(op, policy, changes, tmp_pa
 def test_the_policy_a_defaults_keep_their_warpgroup_products_pipelined(op, H):
     # ptxas serializes a kernel's warpgroup products (each waited before the next) for want of registers or where a
     # non-product instruction writes an accumulator inside their pipeline stage: DeltaNet A's flat consumer did so
-    # until session 42 (its accumulators reset after the dk epilogue, C7515). H 4 and 16: one and two consumer
+    # until session 42 (its accumulators reset after the dk epilogue, C7515). H 4 and 16: two and one consumer
     # programs per chunk (consumer_k_split auto). (Under R the full consumers are serialized for want of registers.)
     args = [sys.executable, str(SCRIPT), "--op", op, "--policy", "A", "--H", str(H)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
