@@ -309,6 +309,12 @@ def variants_for(op: str, base):
         out["dq-sep-flat"] = base.replace(dq_stage="separate", consumer_loads="flat")
         # session 42: 32-wide V tiles, where the full consumer under R compiles unserialized (its 64-wide tiles: C7512)
         out["cons-bv32"] = base.replace(consumer_cfg={"block_v": 32})
+        # session 43: the consumer's own query side (dq in the consumer, S0 read once) at 32-wide V tiles, which
+        # compiles unserialized under A too (64 wide: C7512, so session 34's comparison with the query-side stage
+        # timed a serialized consumer); "flat" needs the stage, so its loads run "ahead"
+        out["dq-consumer-bv32"] = base.replace(
+            dq_stage="consumer", consumer_cfg={"block_v": 32},
+            consumer_loads="ahead" if base.consumer_loads == "flat" else base.consumer_loads)
     out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN
