@@ -311,7 +311,8 @@ def variants_for(op: str, base):
         out["cons-bv32"] = base.replace(consumer_cfg={"block_v": 32})
         # session 43: the consumer's own query side (dq in the consumer, S0 read once) at 32-wide V tiles, which
         # compiles unserialized under A too (64 wide: C7512, so session 34's comparison with the query-side stage
-        # timed a serialized consumer); "flat" needs the stage, so its loads run "ahead"
+        # timed a serialized consumer); "flat" needs the stage, so its loads run "ahead". Session 43 (H100, DeltaNet A
+        # at B·H >= 16): 6-19 % slower than the default, as was cons-bv32 (the narrower tiles cost more)
         out["dq-consumer-bv32"] = base.replace(
             dq_stage="consumer", consumer_cfg={"block_v": 32},
             consumer_loads="ahead" if base.consumer_loads == "flat" else base.consumer_loads)
