@@ -26,7 +26,9 @@ def autotuners() -> list:
     """Every Triton autotuner alive in this process (one per autotuned kernel of the imported modules)."""
     from triton.runtime.autotuner import Autotuner
 
-    return [o for o in gc.get_objects() if isinstance(o, Autotuner)]
+    # type(o), not isinstance: isinstance falls back to o.__class__, and some live objects warn when that is read
+    # (torch's deprecated `torch.distributed.reduce_op`: one FutureWarning per call, a dozen in every bench log)
+    return [o for o in gc.get_objects() if issubclass(type(o), Autotuner)]
 
 
 def picks(module_prefix: str = "fla.") -> dict[str, dict[str, str]]:
