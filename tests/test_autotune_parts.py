@@ -92,12 +92,11 @@ def test_picks_names_each_kernel_and_its_chosen_configuration_per_key(monkeypatc
 def test_finding_the_autotuners_reads_no_other_objects_attributes():
     # isinstance(o, Autotuner) read o.__class__ of every live object, and torch's deprecated
     # torch.distributed.reduce_op warns when that is read: a FutureWarning per bench and campaign process
-    class WarnsWhenItsClassIsRead:
+    class FailsWhenItsClassIsRead:
         @property
         def __class__(self):
             pytest.fail("autotuners() read an object's __class__")
 
-    probe = WarnsWhenItsClassIsRead()
+    probe = FailsWhenItsClassIsRead()
     assert _scaled_copy in autotune_parts.autotuners()
     del probe
-
