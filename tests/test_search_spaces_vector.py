@@ -830,10 +830,9 @@ def test_sm90_compile_reproduces_the_h200_failures_and_the_model_bounds_them():
     import subprocess
     import sys
 
-    import triton
+    from rewy_tune.ir_hazards import bundled_tool
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
+    if not (bundled_tool("ptxas") or shutil.which("ptxas")):
         pytest.skip("no ptxas to compile for sm_90")
     failed = {n: (s, int(re.search(r"Required: (\d+)", m).group(1)))
               for n, s, st, m in _campaign_trials() if st == "compile_error"}

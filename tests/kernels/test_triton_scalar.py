@@ -1264,11 +1264,10 @@ def test_gpu_small_grid_scan_in_the_defaults(op, policy, B, T, H, monkeypatch):
 @pytest.mark.parametrize("op,policy", [("deltanet", "A"), ("deltanet", "R"), ("gdn", "A")])
 def test_gpu_consumer_loads(op, policy, B, T, H):
     # Schedule.consumer_loads on the operator's default (DeltaNet A's takes "flat"; with GDN A's query-side stage since
-    # session 42 "flat" is run for it too): each value passes the bf16 gate
-    # and gives the bits of "at_use" (pointer loads and one flat loop feed the same products in the same order) but
-    # for d_write: its row sums ⟨v, P⟩ are reduced in the pointer-loaded v tile's layout, in another order (session
-    # 41, H100: every other gradient the same bits), so it is held to a bf16 rounding step of "at_use"'s; run twice,
-    # the same bits beside the reverse scan
+    # session 42 "flat" is run for it too): each value passes the bf16 gate and gives the bits of "at_use" (pointer
+    # loads and one flat loop feed the same products in the same order) but for d_write: its row sums ⟨v, P⟩ are
+    # reduced in the pointer-loaded v tile's layout, in another order (session 41, H100: every other gradient the same
+    # bits), so it is held to a bf16 rounding step of "at_use"'s; run twice, the same bits beside the reverse scan
     s = _gpu_default(op=op, policy=policy)
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 41, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
@@ -1856,10 +1855,9 @@ def test_kernels_compile_for_sm90():
     import subprocess
     import sys
 
-    import triton
+    from rewy_tune.ir_hazards import bundled_tool
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
+    if not (bundled_tool("ptxas") or shutil.which("ptxas")):
         pytest.skip("no ptxas to compile for sm_90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
