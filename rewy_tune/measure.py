@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -119,6 +120,7 @@ class _Side:
         """
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        self.stream = stream  # the eager backward and the peak memory run here too (`_on_capture_stream`)
         with torch.cuda.stream(stream):
             for _ in range(3):
                 self.forward()
@@ -135,23 +137,32 @@ class _Side:
                 torch.autograd.grad(o, self.leaves, self.do)
         torch.cuda.synchronize()
 
+    def _on_capture_stream(self):
+        """The stream `capture` ran on, as a context (a null one before any capture). The leaves' AccumulateGrad
+        nodes belong to it once captured: a backward on another stream made torch warn that their streams differ
+        (once per bench process, sessions 40-43)."""
+        stream = getattr(self, "stream", None)
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
     def peak_backward_mib(self) -> float:
-        self.forward()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        grads = self.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del grads
+        with self._on_capture_stream():
+            self.forward()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            grads = self.backward()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            del grads
         return peak / 2**20
 
     def eager_ms(self) -> float:
-        self.forward()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        self.backward()
-        torch.cuda.synchronize()
+        with self._on_capture_stream():
+            self.forward()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self.backward()
+            torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
 
 

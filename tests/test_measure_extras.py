@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from rewy_tune import fla_baseline, measure, trial_worker
 
 
@@ -111,3 +113,32 @@ def test_launch_time_us_replays_one_graph_of_the_launches(monkeypatch):
     us = measure.launch_time_us(lambda: calls.append("launch"), launches=4, graphs=3)
     assert calls == ["launch", "capture"] + ["launch"] * 4 and len(graphs) == 1
     assert math.isclose(us, 0.3 * 1000 / 4)  # the median replay (ms) over 4 launches, in µs
+
+
+GPU_PROGRAM = """
+import warnings
+warnings.simplefilter("always")
+from rewy_tune import fla_baseline, measure
+ours = measure.rewy_op_fn("deltanet", "A", None)
+r = measure.measure_shape("deltanet", ours, fla_baseline.fla_op("deltanet", "A"), (1, 256, 2), K=64, V=64)
+print("peak", r.ours.peak_backward_mib, r.fla.peak_backward_mib, "eager", len(r.ours.eager_ms))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_eager_and_peak_run_on_the_capture_stream():
+    """The eager timings and the peak memory run on the stream the graphs were captured on: torch warned (once per
+    process, so a fresh one) that the leaves' AccumulateGrad stream differed from the backward's (sessions 40-43)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-P", "-c", GPU_PROGRAM], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "peak" in proc.stdout and "eager 10" in proc.stdout
+    assert "AccumulateGrad" not in proc.stderr, proc.stderr
+
+
+def test_the_eager_parts_use_no_stream_before_a_capture():
+    side = measure._Side.__new__(measure._Side)
+    with side._on_capture_stream() as ctx:
+        assert ctx is None  # contextlib.nullcontext(): no CUDA stream is touched on a CPU
