@@ -48,6 +48,9 @@ FLAG_VARIANTS = {
     # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
+    # session 44: the query-side stage at 32-wide value tiles (24 KB of shared memory against 32): two of its CTAs fit
+    # beside a 176 KB reverse-scan CTA on an SM, one at 64 wide (DeltaNet A at B·H >= 16)
+    "qs-bv32": ({"pipeline.QUERY_SIDE_BLOCK_V": 32}, {}),
 }
 
 
