@@ -48,9 +48,6 @@ FLAG_VARIANTS = {
     # session 35: the consumer's ⟨S0, dS1⟩ loop at the top of the feature tile (fewer live tiles; GDN2 A lost 1-4 %
     # per shape with it after the products)
     "rowsum-first": ({"STATE_ROWSUM_FIRST": True}, {}),
-    # session 44: the query-side stage at 32-wide value tiles (24 KB of shared memory against 32): two of its CTAs fit
-    # beside a 176 KB reverse-scan CTA on an SM, one at 64 wide (DeltaNet A at B·H >= 16)
-    "qs-bv32": ({"pipeline.QUERY_SIDE_BLOCK_V": 32}, {}),
 }
 
 
@@ -319,6 +316,10 @@ def variants_for(op: str, base):
         out["dq-consumer-bv32"] = base.replace(
             dq_stage="consumer", consumer_cfg={"block_v": 32},
             consumer_loads="ahead" if base.consumer_loads == "flat" else base.consumer_loads)
+        if base.dq_stage == "separate":
+            # session 44: the query-side stage at 32-wide value tiles (24 KB of shared memory against 32): two of its
+            # CTAs fit beside a 176 KB reverse-scan CTA on an SM, one at 64 wide (DeltaNet A at B·H >= 16)
+            out["qs-bv32"] = base.replace(query_side_block_v=32)
     out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN

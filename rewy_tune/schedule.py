@@ -112,6 +112,10 @@ where consumer_k_split 0 gives two programs it runs as "ahead", and the constrai
 The same products in the same order: the same bits whichever value, but for d_write on a GPU, whose row sums ⟨v, P⟩
 are reduced in the pointer-loaded v tile's layout, in another order (within a bf16 rounding step). Session 41, H100:
 DeltaNet A's consumer 2-3 % shorter at B·H >= 16 with "ahead" or "flat".
+``query_side_block_v`` (0, 16, 32, 64 or 128; 0: ``consumer_cfg.block_v``) is the query-side stage's value-tile width
+(dq_stage "separate", joint_tma). The stage runs beside the reverse scan, whose 176 KB CTA (DeltaNet's sm_90 default)
+leaves room on its SM for one 32 KB stage CTA at 64 wide and two at 32 wide (24 KB each; sm_90 compile). The same sums
+over narrower tiles. The constraints reject it where no query-side stage runs, and a width equal to the consumer's.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ SCAN_STATE_ROWS = (64, 128)  # rows per register block of the scans' state (kern
 # only where the scan splits along the sequence
 REVERSE_SCAN_QDO = ("in_step", "ahead", "split")
 SMALL_GRID_BLOCK_VS = (0, 16, 32)  # the reverse scan's value tile on a small grid (0: reverse_scan.block_v)
+QUERY_SIDE_BLOCK_VS = (0, 16, 32, 64, 128)  # the query-side stage's value tile (0: consumer_cfg.block_v)
 PD_DTYPES = ("fp32", "input")
 STATE_DTYPES = ("fp32", "input")
 INTRA_MODES = ("auto", "centred", "subchunk")
@@ -242,13 +247,15 @@ class Schedule:
     reverse_scan_small_grid_block_v: int = 0  # the reverse scan's value tile where it runs whole on a small grid
     consumer_loads: str = "at_use"  # joint_tma: its tiles outside the pipelined V loops loaded where used, "ahead"
     # of use, or ahead with phase 2 as one "flat" loop over (K tile, V tile) pairs
+    query_side_block_v: int = 0  # the query-side stage's value tile (dq_stage "separate"; 0: consumer_cfg.block_v)
 
     def __post_init__(self) -> None:
         # integer choices: an int of the listed values (1.0 or True compare equal to 1, and would reach the kernels)
         for name, allowed in (("chunk_size", CHUNK_SIZES), ("consumer_k_split", CONSUMER_K_SPLITS),
                               ("consumer_ranges", CONSUMER_RANGES), ("consumer_v_stages", CONSUMER_V_STAGES),
                               ("scan_split_waves", SPLIT_WAVES), ("scan_state_rows", SCAN_STATE_ROWS),
-                              ("reverse_scan_small_grid_block_v", SMALL_GRID_BLOCK_VS)):
+                              ("reverse_scan_small_grid_block_v", SMALL_GRID_BLOCK_VS),
+                              ("query_side_block_v", QUERY_SIDE_BLOCK_VS)):
             val = getattr(self, name)
             if type(val) is not int or val not in allowed:
                 raise ValueError(f"Schedule.{name} must be one of {allowed}, got {val!r}")

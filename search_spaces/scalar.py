@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rewy_tune.schedule import (CONSUMER_RANGES, REVERSE_SCAN_QDO, SCAN_STATE_ROWS, SMALL_GRID_BLOCK_VS, SPLIT_WAVES,
-                                STAGES, Schedule, StageConfig)
+from rewy_tune.schedule import (CONSUMER_RANGES, QUERY_SIDE_BLOCK_VS, REVERSE_SCAN_QDO, SCAN_STATE_ROWS,
+                                SMALL_GRID_BLOCK_VS, SPLIT_WAVES, STAGES, Schedule, StageConfig)
 
 # Per-block shared-memory limit (bytes) by compute capability (CUDA occupancy tables; H100/H200 = 227 KiB).
 SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
@@ -37,7 +37,7 @@ SCAN_STAGES_CHOICES = [1, 2, 3, 4]
 SEGMENTS = [1, 2, 4, 8]
 
 # Fields read by the joint_tma consumer only (scalar gates); the vector space drops them.
-TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_loads")
+TMA_ONLY_FIELDS = ("consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_loads", "query_side_block_v")
 # A parameter listed here is sampled only when its condition holds (otherwise it keeps its default).
 CONDITIONS: dict[str, tuple[str, str]] = {
     **{name: ("consumer", "joint_tma") for name in TMA_ONLY_FIELDS},
@@ -50,6 +50,7 @@ CONDITIONS: dict[str, tuple[str, str]] = {
     "producer.num_warps": ("consumer", "separate"),
     "producer.num_stages": ("consumer", "separate"),
     "reverse_scan_qdo": ("reverse_scan_layout", "kv"),  # the transposed scan forms Qᵀ dO in its step
+    "query_side_block_v": ("dq_stage", "separate"),  # (dq_stage is sampled only for joint_tma: both hold)
 }
 # Operators whose reverse scan reads Schedule.reverse_scan_qdo (no gate): a gate scales dO's rows first (scan.py)
 QDO_AHEAD_OPS = ("deltanet",)
@@ -111,6 +112,10 @@ def space(K: int = 128, V: int = 128, policy: str | None = None, op: str | None 
         # a narrower reverse-scan value tile where it runs whole on a small grid (0: off; session 39). The constraint
         # rejects a width not below reverse_scan.block_v
         "reverse_scan_small_grid_block_v": [w for w in SMALL_GRID_BLOCK_VS if not w or (w < V and V % w == 0)],
+        # the query-side stage's value tile (0: the consumer's; session 44). After dq_stage, its condition; the
+        # constraint rejects the consumer's own width
+        "query_side_block_v": [w for w in QUERY_SIDE_BLOCK_VS if not w or (w <= max(16, _pow2_ceil(V)) and
+                                                                           (V % w == 0 or w >= V))],
     }
     stage_tiles = {
         "recompute": (tk, tv), "forward_scan": (scan_k, [t for t in tv if t <= 128]), "dv_local": (tk, tv),
@@ -383,6 +388,14 @@ def tile_reasons(schedule: Schedule, K: int, V: int) -> list[str]:
                        "it changes nothing (0 turns it off)")
     elif narrow and V % narrow:
         reasons.append(f"reverse_scan_small_grid_block_v={narrow} does not divide V={V}")
+    qs_bv = schedule.query_side_block_v
+    if qs_bv and (schedule.dq_stage != "separate" or schedule.consumer != "joint_tma"):
+        reasons.append(f"query_side_block_v={qs_bv}: no query-side stage runs (it needs dq_stage 'separate' and "
+                       f"consumer 'joint_tma'; got {schedule.dq_stage!r}, {schedule.consumer!r}): 0 leaves it unset")
+    elif qs_bv and qs_bv == schedule.consumer_cfg.block_v:
+        reasons.append(f"query_side_block_v={qs_bv} is the consumer's block_v: it changes nothing (0 takes that)")
+    elif qs_bv and (qs_bv > max(16, _pow2_ceil(V)) or (V % qs_bv and qs_bv < V)):
+        reasons.append(f"query_side_block_v={qs_bv} must divide V={V} or cover it once")
     if schedule.chunk_size != 64:
         reasons.append(f"chunk_size={schedule.chunk_size}: FLA's forward saves A at chunk 64 (the only size the "
                        "CUDA forward provides)")

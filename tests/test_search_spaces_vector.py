@@ -413,7 +413,7 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         base = vector.default_schedule((9, 0), K=K, V=V)
         # the vector space is the scalar one without joint_tma's own fields (vector gates never run joint_tma) and
         # the transposed reverse scan (scalar gates only: the vector constraint rejects it)
-        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_loads"}
+        tma_only = {"consumer_order", "column_side", "p_tiles", "dq_stage", "consumer_loads", "query_side_block_v"}
         assert set(scalar.TMA_ONLY_FIELDS) == tma_only
         no_gate_only = {"reverse_scan_layout", "reverse_scan_qdo"}  # scalar-gate (qdo: no-gate) reverse scan forms
         assert set(scalar.space(K, V)) - tma_only - no_gate_only <= set(sp) and not tma_only & set(sp)
@@ -432,7 +432,8 @@ def test_vector_space_holds_only_values_the_schedule_and_kernels_accept():
         # consumer_ranges: joint_tma among the scalar consumers, the joint one among the vector consumers
         assert "consumer_ranges" in sp and vector.CONDITIONS["consumer_ranges"] == ("consumer", "joint")
         assert scalar.CONDITIONS["consumer_ranges"] == ("consumer", "joint_tma")
-        assert all(scalar.CONDITIONS[n] == ("consumer", "joint_tma") for n in tma_only)
+        # (query_side_block_v on dq_stage "separate", itself sampled only for joint_tma)
+        assert all(scalar.CONDITIONS[n] == ("consumer", "joint_tma") for n in tma_only - {"query_side_block_v"})
         assert sp["intra"] == ["auto", "subchunk"] and set(sp["intra"]) <= set(INTRA_MODES)
         assert "centred" not in sp["intra"]  # unguarded: overflows on strong decays
         assert sp["intra_precision"] == ["ieee", "tf32x3"] and set(sp["intra_precision"]) <= set(INTRA_PRECISIONS)
@@ -931,3 +932,23 @@ def test_the_h200_default_splits_the_scans_only_where_b_h_is_small(dtype):
     assert policy_r == {(512, 4): (1, 1), (2048, 4): (4, 4), (8192, 4): (4, 4), (2048, 16): (1, 1),
                         (2048, 32): (1, 1), (8192, 16): (1, 1)}
     assert policy_a == {(512, 4): 1, (2048, 4): 8, (8192, 4): 8, (2048, 16): 1, (2048, 32): 1, (8192, 16): 1}
+
+
+def test_query_side_block_v_only_where_the_stage_runs():
+    # Schedule.query_side_block_v (session 44): offered at widths that divide V (0: the consumer's), sampled only
+    # under dq_stage "separate", and rejected where no query-side stage runs or where it repeats the consumer's width
+    assert scalar.space(128, 128)["query_side_block_v"] == [0, 16, 32, 64, 128]
+    assert scalar.space(32, 32)["query_side_block_v"] == [0, 16, 32]
+    assert scalar.space(40, 40)["query_side_block_v"] == [0, 64]  # one tile covering V
+    assert scalar.CONDITIONS["query_side_block_v"] == ("dq_stage", "separate")
+    base = scalar.default_schedule((9, 0), K=128, V=128, policy="A", op="deltanet")
+    assert base.dq_stage == "separate" and base.consumer_cfg.block_v == 64
+    assert scalar.constraint(base.replace(query_side_block_v=32), H200) == []
+    assert ("query_side_block_v=64 is the consumer's block_v: it changes nothing (0 takes that)"
+            in scalar.constraint(base.replace(query_side_block_v=64), H200))
+    assert any(r.startswith("query_side_block_v=32: no query-side stage runs")
+               for r in scalar.constraint(base.replace(query_side_block_v=32, dq_stage="consumer"), H200))
+    assert "query_side_block_v=32 must divide V=48 or cover it once" in scalar.tile_reasons(
+        base.replace(query_side_block_v=32, consumer_cfg={"block_v": 16}), 48, 48)
+    with pytest.raises(ValueError, match=r"query_side_block_v must be one of \(0, 16, 32, 64, 128\), got 24"):
+        base.replace(query_side_block_v=24)

@@ -213,10 +213,6 @@ VECTOR_RANGES_MAX_SEGMENTS = 4
 # 1.046x in 4; (2, 2048, 16) 1.054x, 0.986x in 4 (benchmarks/RESULTS.md).
 QUERY_SIDE_RANGES = 4
 QUERY_SIDE_MIN_RANGE_CHUNKS = 32
-# Trial flag (session 44): the query-side stage's value-tile width (0: the consumer's block_v). Beside a 176 KB
-# reverse-scan CTA (DeltaNet A at B·H = 32: 128 scan CTAs on 132 SMs) one 32 KB stage CTA fits on an SM at 64 wide;
-# narrower tiles take less shared memory, so that two may fit there.
-QUERY_SIDE_BLOCK_V = 0
 
 
 def consumer_range_count(schedule: Schedule, NT: int, *, vector: bool = False, scan_segments: int = 1,
@@ -554,8 +550,8 @@ def run_stages(q, k, v, g, erase, write, A, do, dht, *, scale, initial_state, sc
                      dv_local_from_qk=qk_in_scan, state_rows=sc.scan_state_rows,
                      qdo=sc.reverse_scan_qdo)
 
-    qc = sc.consumer_cfg  # the query-side stage takes the consumer's tiles (but QUERY_SIDE_BLOCK_V, a trial flag)
-    query_args = dict(scale=scale, chunk_size=C, BK=qc.block_k, BV=QUERY_SIDE_BLOCK_V or qc.block_v,
+    qc = sc.consumer_cfg  # the query-side stage takes the consumer's tiles, but for Schedule.query_side_block_v
+    query_args = dict(scale=scale, chunk_size=C, BK=qc.block_k, BV=sc.query_side_block_v or qc.block_v,
                       num_warps=qc.num_warps, num_stages=qc.num_stages)
 
     def run_reverse_scan(dvl):

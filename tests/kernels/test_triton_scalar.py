@@ -394,19 +394,21 @@ FIELD_CHANGES = {
     # at (1, 100, 1) the scan runs whole on 1 program of the interpreter's 8 "SMs": a small grid, its launch checked
     "reverse_scan_small_grid_block_v": 16,
     "consumer_loads": "flat",  # read by joint_tma: paired with it below, with the query-side stage (its flat phase 2)
+    "query_side_block_v": 16,  # read by joint_tma's query-side stage: paired with both below, its launch checked
 }
 
 
 # fields read by one consumer only: changed on a base that runs it
 READ_BY = {"producer": "separate", "pd_dtype": "separate", "consumer_order": "joint_tma", "column_side": "joint_tma",
            "p_tiles": "joint_tma", "consumer_k_split": "joint_tma", "dq_stage": "joint_tma",
-           "consumer_ranges": "joint_tma", "consumer_loads": "joint_tma"}
+           "consumer_ranges": "joint_tma", "consumer_loads": "joint_tma", "query_side_block_v": "joint_tma"}
 # fields read only where another field allows it: both schedules take that value (K = 32 in two 16-wide tiles; the
 # scans' state tiles cover K = 128)
 BASE_FOR = {"consumer_k_split": {"consumer_cfg": {"block_k": 16}},
             "scan_state_rows": {"forward_scan": {"block_k": 128}, "reverse_scan": {"block_k": 128}},
             "consumer_loads": {"dq_stage": "separate", "column_side": "gamma_t", "consumer_k_split": 1,
-                               "consumer_cfg": {"block_k": 16, "block_v": 16}}}
+                               "consumer_cfg": {"block_k": 16, "block_v": 16}},
+            "query_side_block_v": {"dq_stage": "separate"}}
 # fields read under one policy only: both schedules run under it
 POLICY_FOR = {"w_source": "A"}
 # fields read by one operator or at some head dims only: (op, K = V) of both runs (others: GDN at 32)
@@ -416,9 +418,10 @@ PROBLEM_FOR = {"scan_state_rows": ("gdn", 128), "reverse_scan_qdo": ("deltanet",
 LAUNCH_FOR = {"scan_state_rows": {"rewy_fwd_scan_kernel": ("KB", 64, 128), "rewy_bwd_scan_kernel": ("KB", 64, 128)},
               "reverse_scan_qdo": {"rewy_bwd_scan_kernel": ("QDO_AHEAD", False, True)},
               "reverse_scan_small_grid_block_v": {"rewy_bwd_scan_kernel": ("BV", 32, 16)},
-              "consumer_loads": {"rewy_bwd_kernel_consumer_tma": ("EARLY", 0, 5)}}
+              "consumer_loads": {"rewy_bwd_kernel_consumer_tma": ("EARLY", 0, 5)},
+              "query_side_block_v": {"rewy_bwd_kernel_query_side": ("BV", 32, 16)}}
 # the module of LAUNCH_FOR's kernels (others: the scans')
-LAUNCH_MODULE = {"consumer_loads": "consumer_tma"}
+LAUNCH_MODULE = {"consumer_loads": "consumer_tma", "query_side_block_v": "query_side"}
 
 
 def test_field_changes_cover_schedule():
@@ -1229,6 +1232,27 @@ def test_gpu_policy_a_default_at_bench_shapes(op, B, T, H):
     ctx = f"gpu {op} A default {B},{T},{H}"
     assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
     assert_same_bits(run_triton(x, s.replace(consumer_ranges=1), "A"), out, ctx=ctx + ", one consumer launch")
+    assert_same_bits(run_triton(x, s, "A"), out, ctx=ctx + ", run twice")
+
+
+@pytest.mark.gpu
+@BF16_ON_INTERPRETER
+@pytest.mark.parametrize("B,T,H", [(1, 2048, 16), (2, 2048, 16), (1, 8192, 16), (1, 1000, 4)])
+@pytest.mark.parametrize("op", ["deltanet", "gdn"])
+def test_gpu_query_side_block_v(op, B, T, H, monkeypatch):
+    # Schedule.query_side_block_v: the policy-A default's query-side stage at 32-wide value tiles beside the reverse
+    # scan (its launch checked), the bf16 gate against the fp64 oracle, and run-twice bits
+    from rewy_tune.kernels.triton import query_side
+
+    s = _gpu_default(op=op, policy="A").replace(query_side_block_v=32)
+    widths = []
+    spy_kernel_launches(monkeypatch, query_side, "rewy_bwd_kernel_query_side",
+                        lambda args, kw, grid: widths.append(kw["BV"]))
+    x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 61, gate_div=1.0)
+    out = run_triton(x, s, "A")
+    ctx = f"gpu {op} A default, query_side_block_v 32, {B},{T},{H}"
+    assert widths == [32], ctx
+    assert_bf16(out, oracle({n: (t.float() if t is not None else None) for n, t in x.items()}), ctx)
     assert_same_bits(run_triton(x, s, "A"), out, ctx=ctx + ", run twice")
 
 
