@@ -114,8 +114,7 @@ def space(K: int = 128, V: int = 128, policy: str | None = None, op: str | None 
         "reverse_scan_small_grid_block_v": [w for w in SMALL_GRID_BLOCK_VS if not w or (w < V and V % w == 0)],
         # the query-side stage's value tile (0: the consumer's; session 44). After dq_stage, its condition; the
         # constraint rejects the consumer's own width
-        "query_side_block_v": [w for w in QUERY_SIDE_BLOCK_VS if not w or (w <= max(16, _pow2_ceil(V)) and
-                                                                           (V % w == 0 or w >= V))],
+        "query_side_block_v": [0] + [w for w in tv if w in QUERY_SIDE_BLOCK_VS],
     }
     stage_tiles = {
         "recompute": (tk, tv), "forward_scan": (scan_k, [t for t in tv if t <= 128]), "dv_local": (tk, tv),
