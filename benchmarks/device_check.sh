@@ -4,7 +4,8 @@
 # the short logs (the device returns at most 8 files).
 #   STEPS="tests bench" bash benchmarks/device_check.sh
 # Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression; REWY_TEST_GPU_SCHEDULE=FILE
-# gates a candidate DeltaNet/GDN default instead of the built-in one), bench (rewy-tune bench --op $BENCH_OPS --policy
+# gates a candidate DeltaNet/GDN default instead of the built-in one, and TEST_CANDIDATE="deltanet A
+# query_side_block_v=32" writes that file: the operator's default here with those fields set), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into
 # results/h200.db), sweep (benchmarks/profile_stages.py: schedule variants of every operator against FLA; SWEEP_ARGS
 # extra options, e.g. "--profile default,NAME"; a cold host needs SWEEP_S >= 300 to compile ahead), enumerate
@@ -55,6 +56,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 python3 -c "import rewy_tune.measure as m; print(m.software_versions())" | tee -a "$RES/gpu.txt"
 
 step_tests() {
+  if [ -n "${TEST_CANDIDATE:-}" ]; then  # "OP POLICY FIELD=VALUE ...": that default with those fields, gated instead
+    python3 -c 'import sys, torch; from rewy_tune.cli.bench import candidate_schedule as c
+print(c(sys.argv[1], torch.cuda.get_device_capability()).to_json())' "$TEST_CANDIDATE" > "$RES/candidate.json" \
+      || { echo "TEST_CANDIDATE: not a schedule, tests not run"; return; }
+    export REWY_TEST_GPU_SCHEDULE="$RES/candidate.json"; echo "gating the candidate: $(cat "$RES/candidate.json")"
+  fi
   REWY_TEST_REPORT="$RES/gpu-tests-report.txt" timeout "${TESTS_S:-220}" python3 -m pytest -q -m gpu \
     -n "${TEST_JOBS:-8}" --timeout 200 -rf --tb=short -p no:cacheprovider -p no:benchmark ${TEST_ARGS:-} \
     ${TEST_K:+-k "$TEST_K"} ${TEST_PATHS:-tests} > "$OUT/gpu-tests.log" 2>&1

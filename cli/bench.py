@@ -65,6 +65,20 @@ def apply_overrides(schedule, params: dict[str, int | str]):
         raise ValueError(f"--set: {exc}") from None
 
 
+def candidate_schedule(spec: str, capability):
+    """'OP POLICY FIELD=VALUE ...' → OP's built-in POLICY default for a GPU of `capability` with those fields set:
+    a candidate default for the GPU tests to gate (REWY_TEST_GPU_SCHEDULE, benchmarks/device_check.sh's
+    TEST_CANDIDATE) before it is adopted. A ValueError names what is accepted."""
+    from rewy_tune.search_spaces import default_schedule
+
+    parts = spec.split()
+    if len(parts) < 2 or parts[0] not in ("deltanet", "gdn", "kda", "gdn2") or parts[1] not in ("R", "A"):
+        raise ValueError(f"candidate {spec!r}: expected 'OP POLICY FIELD=VALUE ...' with OP one of deltanet, gdn, "
+                         "kda, gdn2 and POLICY R or A")
+    op, policy, *sets = parts
+    return apply_overrides(default_schedule(capability, op=op, policy=policy), parse_overrides(sets))
+
+
 def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16), K: int = 128, V: int = 128):
     """'default' → the built-in default for this GPU; 'db' → the stored winner nearest to `shape`
     for this device's fingerprint; a path → a Schedule JSON file."""

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rewy_tune.cli.bench import apply_overrides, load_schedule, parse_overrides, parse_shapes
+from rewy_tune.cli.bench import apply_overrides, candidate_schedule, load_schedule, parse_overrides, parse_shapes
 from rewy_tune.schedule import Schedule
 from rewy_tune.search import default_schedule
 
@@ -66,6 +66,21 @@ def test_overrides_change_each_operators_own_schedule():
         apply_overrides(base, {"scan_split_waves": 3})
     with pytest.raises(ValueError, match=r"--set: 'x=' is not FIELD=VALUE"):
         parse_overrides(["x="])
+
+
+def test_candidate_schedule_is_the_operators_default_with_fields_set():
+    # device_check.sh's TEST_CANDIDATE: the GPU tests gate this schedule (REWY_TEST_GPU_SCHEDULE) before it is adopted
+    from rewy_tune.search_spaces import default_schedule as builtin
+
+    got = candidate_schedule("deltanet A query_side_block_v=32", (9, 0))
+    assert got == builtin((9, 0), op="deltanet", policy="A").replace(query_side_block_v=32)
+    assert got != builtin((9, 0), op="deltanet", policy="A")
+    assert candidate_schedule("gdn R", (9, 0)) == builtin((9, 0), op="gdn", policy="R")
+    for bad in ("", "deltanet", "mamba A", "gdn B x=1"):
+        with pytest.raises(ValueError, match="expected 'OP POLICY FIELD=VALUE"):
+            candidate_schedule(bad, (9, 0))
+    with pytest.raises(ValueError, match="--set"):
+        candidate_schedule("deltanet A query_side_block_v=48", (9, 0))
 
 
 def test_default_schedule_is_the_operators_own(tmp_path):

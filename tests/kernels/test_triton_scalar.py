@@ -1222,11 +1222,10 @@ def test_gpu_bench_shapes_bf16(op, B, T, H, consumer):
 def test_gpu_policy_a_default_at_bench_shapes(op, B, T, H):
     # The policy-A H200 defaults: the query-side stage (DeltaNet since session 35, GDN since 42), since session 36
     # before 4 consumer ranges where each has 32 chunks (auto: (1, 8192, 16) here), beside the whole scan elsewhere.
-    # The bf16 gate, the bits of one consumer launch (the ranges' promise), and run-twice bits
-    from rewy_tune.search_spaces import default_schedule
-
+    # The bf16 gate, the bits of one consumer launch (the ranges' promise), and run-twice bits. A candidate default
+    # (REWY_TEST_GPU_SCHEDULE) is gated here before it is adopted
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 7, gate_div=1.0)
-    s = default_schedule(torch.cuda.get_device_capability(), op=op, policy="A")
+    s = _gpu_default(op=op, policy="A")
     assert s.dq_stage == "separate"
     out = run_triton(x, s, "A")
     ctx = f"gpu {op} A default {B},{T},{H}"
