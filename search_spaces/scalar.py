@@ -439,7 +439,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     (the pointer consumer and the session-11 scans, which its default was measured with). op ("deltanet", "gdn";
     None: GDN's) and policy ("R", "A"; None: R's): the Hopper defaults differ by operator and policy in a few fields,
     each with the sweep that chose it below (the query-side stage under A, DeltaNet's 128-row scan blocks, the
-    small-grid reverse scan, DeltaNet A's consumer loads).
+    small-grid reverse scan, DeltaNet's consumer loads, DeltaNet R's query-side stage).
     The scans' block_k always covers K (rounded up to a power of two). The generic schedule passes
     `constraint` at K, V <= 128 on devices with >= 99 KiB of shared memory per block; K = 256 there needs a
     tuned schedule."""
@@ -453,6 +453,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
         tma = tma_rows_fit(K, V) and not vector_gates
         policy_a = tma and policy == "A" and dtype != "fp32"
         deltanet_a = policy_a and op == "deltanet"
+        deltanet_r = tma and policy != "A" and dtype != "fp32" and op == "deltanet"
         # FLA's picks for both scans (32-wide value tiles; 4 stages forward, 3 reverse). Session 13 sweep,
         # (2, 2048, 16): reverse 77 -> 55 µs (GDN). Session 14, once the forward loop matched FLA's (U added after
         # the W·S products, S as stored): forward 55.8 -> 37.5 µs (DeltaNet), 59.7 -> 43.5 µs (GDN). With fp32
@@ -513,9 +514,11 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # `rewy-tune bench --op deltanet --policy A` went 1.203 -> 1.283x FLA, every shape faster (RESULTS.md).
             # GDN under A as well: session 42 sweep on an H100, every bench shape 3-13 % faster ((1, 2048, 16) 0.1644
             # -> 0.1430 ms, (1, 8192, 16) 0.5355 -> 0.5023); its full consumer had its warpgroup products serialized
-            # by ptxas for want of registers (C7512), the phase-2 consumer's are not. R (its reverse scan beside the
-            # forward scan) is not timed with it yet.
-            dq_stage="separate" if policy_a else "consumer",
+            # by ptxas for want of registers (C7512), the phase-2 consumer's are not. DeltaNet R takes it with the
+            # "flat" consumer loads below: session 46 sweep on an H100, 2.6 % faster in geomean ((1, 8192, 4) 0.2174
+            # -> 0.2025 ms, (1, 8192, 16) 0.5789 -> 0.5491), 7 % slower at (1, 512, 4) (0.0319 -> 0.0344); GDN R
+            # lost 5-8 % at B·H = 4 with it and gained at most 2 % elsewhere, and keeps its full consumer (RESULTS.md).
+            dq_stage="separate" if policy_a or deltanet_r else "consumer",
             # DeltaNet at K = 128: both scans hold the state in one 128-row register block (three waited products a
             # reverse step instead of six, two a forward step instead of four). Session 38 sweeps on an H100 (no H200
             # came; RESULTS.md): A every shape but one faster or level, 3-5 % at B·H = 4; R 5-6 % at (1, 2048, 4) and
@@ -534,8 +537,10 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # DeltaNet A: A and v by pointer loads and phase 2 as one flat loop over (K tile, V tile) pairs, so the
             # consumer's copies are in flight through its epilogues. Session 41 sweep on an H100 (RESULTS.md): its
             # consumer 92.7 -> ~90 µs at (2, 2048, 16); the backward (1, 2048, 16) 0.1218 -> 0.1205 ms, (2, 2048, 16)
-            # 0.2211 -> 0.2173, (1, 8192, 16) 0.4470 -> 0.4350, level at B·H = 4. The others are not timed with it.
-            consumer_loads="flat" if deltanet_a else "at_use",
+            # 0.2211 -> 0.2173, (1, 8192, 16) 0.4470 -> 0.4350, level at B·H = 4. DeltaNet R with the query-side
+            # stage (above): "flat" level with "at_use" at B·H = 4, 1-2 % faster at B·H >= 16 (session 46, H100);
+            # GDN R's query-side form lost up to 4 % with it.
+            consumer_loads="flat" if deltanet_a or deltanet_r else "at_use",
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),

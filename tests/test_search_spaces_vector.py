@@ -594,23 +594,25 @@ def test_the_h200_vector_default_under_policy_a_widens_the_lone_reverse_scan():
         for cc, dtype, KV in (((8, 0), None, 128), ((9, 0), "fp32", 128), ((9, 0), None, 64), (None, None, 128)):
             assert (vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="A")
                     == vector.default_schedule(cc, K=KV, V=KV, op=op, dtype=dtype, policy="R"))
-    # the scalar defaults: the same under both policies but for the query-side stage (DeltaNet session 35, GDN
-    # session 42), DeltaNet's Qᵀ dO a step ahead where the reverse scan splits (session 38) and its consumer's flat
-    # loads (session 41) under A on Hopper with 16-bit inputs; DeltaNet's take a
-    # 16-wide reverse scan on a small grid under both (session 39; GDN's under A alone, session 40), and
-    # 128-row state blocks there under both (session 38); the generic and fp32 defaults do not differ
+    # the scalar defaults on Hopper with 16-bit inputs: DeltaNet's the same under both policies but for its Qᵀ dO a
+    # step ahead where the reverse scan splits (A, session 38); both take the query-side stage with the flat consumer
+    # loads (A: sessions 35 and 41; R: session 46), a 16-wide reverse scan on a small grid (session 39) and 128-row
+    # state blocks (session 38). GDN's take the query-side stage (session 42) and the small-grid scan (session 40)
+    # under A alone. The generic and fp32 defaults do not differ
     dn_a = default_schedule((9, 0), op="deltanet", policy="A")
     dn_r = default_schedule((9, 0), op="deltanet", policy="R")
-    assert (dn_a.dq_stage, dn_r.dq_stage) == ("separate", "consumer")
+    assert (dn_a.dq_stage, dn_r.dq_stage) == ("separate", "separate")
     assert (dn_a.reverse_scan_qdo, dn_r.reverse_scan_qdo) == ("split", "in_step")
-    assert (dn_a.consumer_loads, dn_r.consumer_loads) == ("flat", "at_use")
-    assert dn_a == dn_r.replace(dq_stage="separate", reverse_scan_qdo="split", consumer_loads="flat")
+    assert (dn_a.consumer_loads, dn_r.consumer_loads) == ("flat", "flat")
+    assert dn_a == dn_r.replace(reverse_scan_qdo="split")
     gdn_a = default_schedule((9, 0), op="gdn", policy="A")
     gdn_r = default_schedule((9, 0), op="gdn", policy="R")
     assert dn_r.reverse_scan_small_grid_block_v == 16 and gdn_r.reverse_scan_small_grid_block_v == 0
     assert dn_r.scan_state_rows == 128 and gdn_r.scan_state_rows == 64
     assert dn_r == default_schedule((9, 0), op="deltanet")
-    assert dn_r.replace(scan_state_rows=64, reverse_scan_small_grid_block_v=0) == gdn_r
+    assert dn_r.replace(scan_state_rows=64, reverse_scan_small_grid_block_v=0, dq_stage="consumer",
+                        consumer_loads="at_use") == gdn_r
+    assert scalar.constraint(dn_r, H200) == []
     assert (gdn_a.dq_stage, gdn_r.dq_stage) == ("separate", "consumer")
     assert gdn_a == gdn_r.replace(reverse_scan_small_grid_block_v=16, dq_stage="separate")
     assert default_schedule((9, 0), op="gdn") == gdn_r  # (no policy: R's)
