@@ -516,8 +516,8 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # -> 0.1430 ms, (1, 8192, 16) 0.5355 -> 0.5023); its full consumer had its warpgroup products serialized
             # by ptxas for want of registers (C7512), the phase-2 consumer's are not. DeltaNet R takes it with the
             # "flat" consumer loads below: session 46 sweep on an H100, 2.6 % faster in geomean ((1, 8192, 4) 0.2174
-            # -> 0.2025 ms, (1, 8192, 16) 0.5789 -> 0.5491), 7 % slower at (1, 512, 4) (0.0319 -> 0.0344); GDN R
-            # lost 5-8 % at B·H = 4 with it and gained at most 2 % elsewhere, and keeps its full consumer (RESULTS.md).
+            # -> 0.2025 ms, (1, 8192, 16) 0.5789 -> 0.5491), 7 % slower at (1, 512, 4) (0.0319 -> 0.0344). GDN R
+            # lost 5-8 % at B·H = 4 with it and gained about 2 % at most elsewhere: it keeps its full consumer.
             dq_stage="separate" if policy_a or deltanet_r else "consumer",
             # DeltaNet at K = 128: both scans hold the state in one 128-row register block (three waited products a
             # reverse step instead of six, two a forward step instead of four). Session 38 sweeps on an H100 (no H200
