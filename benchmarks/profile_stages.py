@@ -320,6 +320,9 @@ def variants_for(op: str, base):
             # session 44: the query-side stage at 32-wide value tiles (24 KB of shared memory against 32): two of its
             # CTAs fit beside a 176 KB reverse-scan CTA on an SM, one at 64 wide (DeltaNet A at B·H >= 16)
             out["qs-bv32"] = base.replace(query_side_block_v=32)
+            # session 46: the full consumer as DeltaNet R's default had it before it took the query-side stage (GDN R's
+            # still does): dq in the consumer, its tiles loaded where used ("flat" needs the stage)
+            out["full-consumer"] = base.replace(dq_stage="consumer", consumer_loads="at_use")
     out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN

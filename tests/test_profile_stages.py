@@ -87,6 +87,15 @@ def test_every_operator_has_its_variants(op, policy):
     assert all(isinstance(s, Schedule) and (n == "default" or s != base) for n, s in variants.items())
     if op in ("deltanet", "gdn"):  # session 35's transposed reverse scan and the query-side stage's ranges
         assert {"rscan-vk64", "dq-sep-ranges4"} <= set(variants)
+    if base.consumer == "joint_tma" and base.dq_stage == "separate":
+        # the defaults with the query-side stage against the full consumer, whose phase 2 cannot run "flat" (DeltaNet
+        # R's default before session 46 and GDN R's: the same schedule)
+        full = variants["full-consumer"]
+        assert (full.dq_stage, full.consumer_loads) == ("consumer", "at_use")
+        assert full == base.replace(dq_stage="consumer", consumer_loads="at_use")
+        if (op, policy) == ("deltanet", "R"):
+            gdn_r = default_schedule((9, 0), K=128, V=128, op="gdn", policy="R")
+            assert full.replace(scan_state_rows=64, reverse_scan_small_grid_block_v=0) == gdn_r
 
 
 # the next GPU call's sweep (benchmarks/RESULTS.md, session 37): SWEEP_VARIANTS of DeltaNet under policy A
