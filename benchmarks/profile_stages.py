@@ -323,6 +323,12 @@ def variants_for(op: str, base):
             # session 46: the full consumer as DeltaNet R's default had it before it took the query-side stage (GDN R's
             # still does): dq in the consumer, its tiles loaded where used ("flat" needs the stage)
             out["full-consumer"] = base.replace(dq_stage="consumer", consumer_loads="at_use")
+        else:
+            # session 42's compile table: with dq in the consumer (GDN R's default), one consumer stage or the fused
+            # phase-2 order also compile it without C7512 (255 registers, 48 / 448 B of stack; its default: 40 B)
+            out["cons-1stage"] = base.replace(consumer_cfg={"num_stages": 1})
+            if base.consumer_order != "fused":
+                out["order-fused"] = base.replace(consumer_order="fused")
     out["small-grid-bv16"] = base.replace(reverse_scan_small_grid_block_v=16)
     # Session 9: a split kept only where it pays (scan._segments under scan_split_waves > 0) against no split at all,
     # and a default without that limit (waves 0: always split) under it. Since session 14 the 16-bit DeltaNet/GDN
