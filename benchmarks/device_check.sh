@@ -3,7 +3,9 @@
 # the steps named in STEPS, each under its own time limit. Everything comes back in $OUT/results.tgz plus
 # the short logs (the device returns at most 8 files).
 #   STEPS="tests bench" bash benchmarks/device_check.sh
-# Steps: tests (GPU-marked pytest, TEST_JOBS processes, TEST_K a pytest -k expression; REWY_TEST_GPU_SCHEDULE=FILE
+# Steps: tests (GPU-marked pytest, TEST_JOBS processes (12 ran K = V = 256 out of GPU memory, session 47; 4 did
+# not), TEST_K a pytest -k expression; the FLA-layer cases of tests/test_fla_patch_activations.py skip unless the
+# flash-linear-attention wheel is carried too (see models below); REWY_TEST_GPU_SCHEDULE=FILE
 # gates a candidate DeltaNet/GDN default instead of the built-in one, and TEST_CANDIDATE="deltanet A
 # query_side_block_v=32" writes that file: the operator's default here with those fields set), bench (rewy-tune bench --op $BENCH_OPS --policy
 # $BENCH_POLICY, compiled ahead in parallel), campaign (rewy-tune --device h200 $CAMPAIGN_ARGS into

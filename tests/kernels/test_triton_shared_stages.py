@@ -686,6 +686,10 @@ def test_gpu_scan_ranges_hold_their_carry_on_another_stream(monkeypatch):
     dht = torch.randn(B, H, K, V, device="cuda", generator=gen)
     kw = dict(scale=K ** -0.5, chunk_size=C, BK=K, BV=32, num_warps=4, num_stages=2, want_dh0=True)
     one = reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, **kw)
+    # the ranged kernels compiled first: compiled inside the held-back launches below, they took seconds, the side
+    # stream's sleep ran out and the carry was rightly free again (session 47, H100, a cold host: this assertion failed)
+    reverse_state_scan(s["q"], s["k"], s["W"], s["G"], do, None, dht, num_ranges=4, **kw)
+    torch.cuda.synchronize()
     made = []  # every buffer the scan allocates (its outputs and the carry)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(empty(*a, **k)) or made[-1])
@@ -699,9 +703,10 @@ def test_gpu_scan_ranges_hold_their_carry_on_another_stream(monkeypatch):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(20_000_000)  # the scan's launches stay queued while the main stream allocates
+        torch.cuda._sleep(100_000_000)  # the scan's launches stay queued while the main stream allocates
         assert len(list(launches)) == 4
     del launches  # (nothing holds the carry now)
+    assert not side.query(), "the side stream ran out before the allocation: the carry is not held back, test nothing"
     again = torch.empty(B * H, 2, K, V, device="cuda")
     assert again.data_ptr() != carry_ptr, "the carry's memory was handed out while the scan still used it"
     again.fill_(float("nan"))
