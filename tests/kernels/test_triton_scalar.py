@@ -1290,7 +1290,7 @@ def test_gpu_consumer_loads(op, policy, B, T, H):
     # session 42 "flat" is run for it too): each value passes the bf16 gate and gives the bits of "at_use" (pointer
     # loads and one flat loop feed the same products in the same order) but for the gradients made of row sums:
     # d_write's ⟨v, P⟩ are reduced in the pointer-loaded v tile's layout, in another order (session 41, H100: every
-    # other gradient the same bits), and under "flat" GDN's dg, whose rows sums (the dk epilogue's, inside the flat
+    # other gradient the same bits), and under "flat" GDN's dg, whose row sums (the dk epilogue's, inside the flat
     # loop) came out in another order at every B·H = 16/32 shape with dq, dk, dv the same bits (session 47, H100). So
     # these are held to a bf16 rounding step of "at_use"'s; run twice, the same bits beside the reverse scan
     s = _gpu_default(op=op, policy=policy)
@@ -1480,7 +1480,8 @@ def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
         if constraint(in_scan, dims, op):
             # DeltaNet A's default forms Qᵀ dO ahead where its reverse scan splits (session 38): with A_qk formed in
             # the scan too that needs 237 568 B at 3 stages (session 47, H100: OutOfResources at (1, 8192, 4)), which
-            # the constraint rejects; the tuner's form of it runs the scan at 2 stages
+            # the constraint rejects; at 2 stages it fits (147 456 B compiled unsplit on a CPU), and the constraint
+            # accepts it
             in_scan = in_scan.replace(reverse_scan={"num_stages": 2})
         assert not constraint(in_scan, dims, op)  # one the tuner could run, not one it rejects before compiling
         schedules = {"dv_local in the scan": in_scan}
