@@ -452,8 +452,8 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
     if compute_capability is not None and tuple(compute_capability) == (9, 0):
         tma = tma_rows_fit(K, V) and not vector_gates
         policy_a = tma and policy == "A" and dtype != "fp32"
-        deltanet_a = policy_a and op == "deltanet"
-        deltanet_r = tma and policy != "A" and dtype != "fp32" and op == "deltanet"
+        deltanet_tma = tma and dtype != "fp32" and op == "deltanet"  # under either policy
+        deltanet_a = deltanet_tma and policy == "A"
         # FLA's picks for both scans (32-wide value tiles; 4 stages forward, 3 reverse). Session 13 sweep,
         # (2, 2048, 16): reverse 77 -> 55 µs (GDN). Session 14, once the forward loop matched FLA's (U added after
         # the W·S products, S as stored): forward 55.8 -> 37.5 µs (DeltaNet), 59.7 -> 43.5 µs (GDN). With fp32
@@ -518,7 +518,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # "flat" consumer loads below: session 46 sweep on an H100, 2.6 % faster in geomean ((1, 8192, 4) 0.2174
             # -> 0.2025 ms, (1, 8192, 16) 0.5789 -> 0.5491), 7 % slower at (1, 512, 4) (0.0319 -> 0.0344). GDN R
             # lost 5-8 % at B·H = 4 with it and gained about 2 % at most elsewhere: it keeps its full consumer.
-            dq_stage="separate" if policy_a or deltanet_r else "consumer",
+            dq_stage="separate" if policy_a or deltanet_tma else "consumer",
             # DeltaNet at K = 128: both scans hold the state in one 128-row register block (three waited products a
             # reverse step instead of six, two a forward step instead of four). Session 38 sweeps on an H100 (no H200
             # came; RESULTS.md): A every shape but one faster or level, 3-5 % at B·H = 4; R 5-6 % at (1, 2048, 4) and
@@ -540,7 +540,7 @@ def default_schedule(compute_capability: tuple[int, int] | None = None, *, K: in
             # 0.2211 -> 0.2173, (1, 8192, 16) 0.4470 -> 0.4350, level at B·H = 4. DeltaNet R with the query-side
             # stage (above): "flat" level with "at_use" at B·H = 4, 1-2 % faster at B·H >= 16 (session 46, H100);
             # GDN R's query-side form lost up to 4 % with it.
-            consumer_loads="flat" if deltanet_a or deltanet_r else "at_use",
+            consumer_loads="flat" if deltanet_tma else "at_use",
         )
     return Schedule(
         recompute=StageConfig(bk, min(32, bv), 4, 1),
