@@ -1667,11 +1667,18 @@ def test_gpu_consumer_flags(op, B, T, H, policy, monkeypatch):
 @pytest.mark.parametrize("policy", ["R", "A"])
 @pytest.mark.parametrize("B,T,H,KV", [(1, 2048, 16, 128), (1, 1000, 3, 128), (1, 1000, 4, 256)])
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_gpu_state_rowsum_first(op, B, T, H, KV, policy, monkeypatch):
+def test_gpu_state_rowsum_first(op, B, T, H, KV, policy, monkeypatch, request):
     # vector_local.STATE_ROWSUM_FIRST (off; session 35): rowsum_V(S0 ⊙ dS1) at the top of each feature tile, against
     # the default's loop after the inter products: the oracle's gate and the same bits, on each policy's default,
     # at K = V = 256 too (where session 35's first placement, inside the products' loop, gave wrong dk on the H200)
     from rewy_tune.kernels.triton import vector_local as vl
+
+    if KV == 256 and policy == "R" and not os.environ.get("TRITON_PTXAS_PATH"):
+        # Triton's bundled ptxas drops phase 2's products of this consumer (test_state_rowsum_first_sm90_products; dk
+        # rel RMS 7e-2 on the H200 in session 36 and on an H100 in session 48). Strict: an XPASS says the flag can be
+        # gated again; with CUDA 13.0's ptxas (TRITON_PTXAS_PATH) the case must pass outright.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="bundled ptxas drops the consumer's phase-2 "
+                                                                  "products under STATE_ROWSUM_FIRST at K = V = 256"))
 
     x = make_inputs(op, B, T, H, KV, KV, dtype=torch.bfloat16, device="cuda", seed=T + KV, gate_div=16.0,
                     decay="mixed" if T == 1000 else "normal")
