@@ -32,7 +32,10 @@ device's compute capability).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from triton.runtime.errors import OutOfResources
 
 from rewy_tune.kernels.reference.gate import activated_gate
 from rewy_tune.kernels.triton.gate import GateActivation
@@ -64,6 +67,30 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None,
 
     cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype), policy=policy)
+
+
+def schedule_rejections(schedule: Schedule, q: torch.Tensor, K: int, V: int, op: str) -> list[str]:
+    """The search space's constraint on a caller's schedule for this call's device, head dims and dtype (empty:
+    accepted). Only on CUDA: the interpreter has no shared-memory limit and no sm_90 miscompiles."""
+    if not q.is_cuda:
+        return []
+    from rewy_tune.problem import dtype_label
+    from rewy_tune.search_spaces import constraint
+
+    dims = {"K": K, "V": V, "dtype": dtype_label(q.dtype), "op": op,
+            "compute_capability": torch.cuda.get_device_capability(q.device)}
+    return constraint(schedule, dims, op=op)
+
+
+def _warn_rejected_schedule(schedule: Schedule, q: torch.Tensor, K: int, V: int, op: str) -> None:
+    # A warning, not an error: the constraint's shared-memory and register figures are estimates and may turn away
+    # a schedule that compiles; but its sm_90 miscompile rules name schedules that run and give wrong gradients,
+    # which must not pass unnoticed. The tuner and the dispatcher only hand over schedules it accepts.
+    reasons = schedule_rejections(schedule, q, K, V, op)
+    if reasons:
+        warnings.warn(f"schedule: the search space's constraint rejects this schedule for {op} K={K} V={V} "
+                      f"{q.dtype} on this GPU; it may fail to compile or compute wrong gradients: "
+                      + "; ".join(reasons), RuntimeWarning, stacklevel=7)  # the line that called the public op
 
 
 # KDA/GDN2 under policy R: FLA's forward state scan V-first (as FLA's layers call it). On since session 20: the KDA/GDN2
@@ -167,11 +194,14 @@ class RewyTritonFunction(torch.autograd.Function):
         K, V = q.shape[-1], v.shape[-1]
         op = op_of(g, erase)
         vector_gate = op in ("kda", "gdn2")
-        schedule = schedule if schedule is not None else default_schedule_for(q, K, V, op, policy)
+        given = schedule is not None
+        schedule = schedule if given else default_schedule_for(q, K, V, op, policy)
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
         if schedule.chunk_size != chunk_size:
             raise ValueError(f"schedule.chunk_size={schedule.chunk_size} differs from chunk_size={chunk_size}")
+        if given:
+            _warn_rejected_schedule(schedule, q, K, V, op)
         scale = K ** -0.5 if scale is None else float(scale)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         erase, write = erase.contiguous(), write.contiguous()
@@ -233,10 +263,19 @@ class RewyTritonFunction(torch.autograd.Function):
         gate_grads = {}  # the in-kernel gate's A_log and dt_bias gradients (KDA/GDN2 with gate_in_kernel)
         one_beta = (erase.dim() == 3 and erase.shape == write.shape and erase.dtype == write.dtype
                     and erase.data_ptr() == write.data_ptr())
-        dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
-            q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
-            S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate, gate_grads=gate_grads,
-            scan_qk=(qg, kg, gk) if qg is not None else None)
+        try:
+            dq, dk, dv, dg, d_erase, d_write, dh0 = rewy_backward_triton(
+                q, k, v, g, erase, write, A, do, dht, scale=ctx.scale, initial_state=h0, schedule=ctx.schedule,
+                S0=S0, R=R, Aqk=Aqk, one_beta=one_beta, W=W, gate=gate, gate_grads=gate_grads,
+                scan_qk=(qg, kg, gk) if qg is not None else None)
+        except OutOfResources as e:  # Triton's message names a kernel, not the Schedule field to change
+            K, V = q.shape[-1], v.shape[-1]
+            op = op_of(g, erase)
+            reasons = schedule_rejections(ctx.schedule, q, K, V, op)
+            raise ValueError(f"schedule: a backward kernel needs more GPU resources than this device has "
+                             f"({e}) for {op} K={K} V={V}; "
+                             + ("the search space's constraint says: " + "; ".join(reasons) if reasons else
+                                "pass a schedule with smaller tiles or fewer stages, or schedule=None")) from e
         dA_log, ddt_bias = gate_grads.get("A_log"), gate_grads.get("dt_bias")
         if dh0 is not None and initial_state is not None:
             dh0 = dh0.to(initial_state.dtype)

@@ -1935,3 +1935,81 @@ def test_consumer_loads_rejects_an_unknown_value():
         BASE.replace(consumer_loads="early")
     with pytest.raises(ValueError, match=r"loads must be one of \('at_use', 'ahead', 'flat'\), got 'early'"):
         consumer_tma(*[None] * 12, scale=1.0, loads="early")  # refused before any tensor is read
+
+
+def _public_deltanet(x, **kw):
+    import rewy_tune
+
+    q, k, v, beta = (x[n].clone().requires_grad_() for n in ("q", "k", "v", "beta"))
+    o, _ = rewy_tune.chunk_deltanet(q, k, v, beta, initial_state=x["h0"], backend="triton", **kw)
+    return o, (q, k, v, beta)
+
+
+def test_caller_schedule_the_constraint_rejects_warns(monkeypatch):
+    # A schedule passed to the public op goes through the search space's constraint (on CUDA; here its verdict is
+    # stood in): the warning names the argument and every reason. The built-in default (schedule=None) is not checked.
+    import warnings
+
+    from rewy_tune.kernels import triton_function as tf
+
+    seen = []
+    monkeypatch.setattr(tf, "schedule_rejections", lambda s, q, K, V, op: seen.append((op, K, V)) or
+                        ["recompute.block_k=128 with 4 warps", "shared memory 300000 B > 232448 B"])
+    x = make_inputs("deltanet", 1, 70, 1, 32, 32, seed=5)
+    with pytest.warns(RuntimeWarning, match=r"schedule: the search space's constraint rejects this schedule for "
+                                            r"deltanet K=32 V=32 .*recompute.block_k=128 with 4 warps; shared memory"
+                      ) as caught:
+        _public_deltanet(x, schedule=BASE)
+    assert caught[0].filename == __file__  # points at the caller of rewy_tune.chunk_deltanet
+    assert seen == [("deltanet", 32, 32)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _public_deltanet(x)
+    assert len(seen) == 1
+
+
+def test_caller_schedule_is_not_checked_off_cuda():
+    # the interpreter has no shared-memory limit and no sm_90 miscompiles: nothing to reject on the CPU
+    from rewy_tune.kernels.triton_function import schedule_rejections
+
+    x = make_inputs("deltanet", 1, 70, 1, 32, 32)
+    huge = BASE.replace(consumer_cfg={"block_k": 32, "block_v": 32, "num_stages": 4})
+    assert schedule_rejections(huge, x["q"], 32, 32, "deltanet") == []
+
+
+def test_out_of_resources_in_the_backward_names_the_schedule(monkeypatch):
+    # Triton's OutOfResources names a kernel; the op's error names the argument to change and, on CUDA, the
+    # constraint's reasons
+    from triton.runtime.errors import OutOfResources
+
+    from rewy_tune.kernels import triton_function as tf
+
+    def over(*a, **kw):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(tf, "rewy_backward_triton", over)
+    x = make_inputs("deltanet", 1, 70, 1, 32, 32, seed=6)
+    o, leaves = _public_deltanet(x, schedule=BASE)
+    with pytest.raises(ValueError, match=r"schedule: a backward kernel needs more GPU resources than this device has "
+                                         r"\(.*shared memory.*\) for deltanet K=32 V=32; pass a schedule with smaller"):
+        torch.autograd.grad(o, leaves, x["do"])
+    monkeypatch.setattr(tf, "schedule_rejections", lambda *a: ["consumer: shared memory 300000 B > 232448 B"])
+    with pytest.warns(RuntimeWarning, match="consumer: shared memory"):  # the forward's warning came first
+        o, leaves = _public_deltanet(x, schedule=BASE)
+    with pytest.raises(ValueError, match=r"the search space's constraint says: consumer: shared memory 300000 B"):
+        torch.autograd.grad(o, leaves, x["do"])
+
+
+@pytest.mark.gpu
+def test_gpu_caller_schedule_with_the_sm90_recompute_fault_warns():
+    # the constraint's sm_90 rule (recompute at 4 warps with block_k > block_v gives a wrong U for 16-bit inputs):
+    # a caller's schedule with it runs, but not unnoticed
+    from rewy_tune.search_spaces import default_schedule
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the recompute fault rule is for compute capability 9.x")
+    x = make_inputs("deltanet", 1, 128, 2, 64, 64, dtype=torch.bfloat16, device="cuda", seed=7)
+    s = default_schedule((9, 0), K=64, V=64, op="deltanet", dtype="bf16", policy="R")
+    s = s.replace(recompute={**s.recompute.to_dict(), "block_k": 64, "block_v": 16, "num_warps": 4})
+    with pytest.warns(RuntimeWarning, match=r"recompute.block_k=64 > block_v=16 with 4 warps"):
+        _public_deltanet(x, schedule=s)
