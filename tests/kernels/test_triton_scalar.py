@@ -1968,13 +1968,25 @@ def test_caller_schedule_the_constraint_rejects_warns(monkeypatch):
     assert len(seen) == 1
 
 
-def test_caller_schedule_is_not_checked_off_cuda():
-    # the interpreter has no shared-memory limit and no sm_90 miscompiles: nothing to reject on the CPU
+def test_caller_schedule_rejections_on_sm90_and_off_cuda(monkeypatch):
+    # a schedule with the sm_90 recompute fault (4 warps, block_k > block_v, 16-bit inputs): rejected for a CUDA
+    # tensor on compute capability 9.0 (the device query stood in), not for a CPU tensor: the interpreter has no
+    # shared-memory limit and no sm_90 miscompiles
+    from types import SimpleNamespace
+
     from rewy_tune.kernels.triton_function import schedule_rejections
 
-    x = make_inputs("deltanet", 1, 70, 1, 32, 32)
-    huge = BASE.replace(consumer_cfg={"block_k": 32, "block_v": 32, "num_stages": 4})
-    assert schedule_rejections(huge, x["q"], 32, 32, "deltanet") == []
+    faulty = BASE.replace(recompute={"block_k": 32, "block_v": 16, "num_warps": 4, "num_stages": 1})
+    q = make_inputs("deltanet", 1, 70, 1, 32, 32, dtype=torch.bfloat16)["q"]
+    assert schedule_rejections(faulty, q, 32, 32, "deltanet") == []
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    on_gpu = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:1")
+    reasons = schedule_rejections(faulty, on_gpu, 32, 32, "deltanet")
+    assert asked == ["cuda:1"] and len(reasons) == 1 and reasons[0].startswith("recompute.block_k=32 > block_v=16")
+    assert schedule_rejections(BASE, on_gpu, 32, 32, "deltanet") == []
+    assert schedule_rejections(faulty, SimpleNamespace(is_cuda=True, dtype=torch.float32, device="cuda:0"),
+                               32, 32, "deltanet") == []  # fp32 inputs compile another path
 
 
 def test_out_of_resources_in_the_backward_names_the_schedule(monkeypatch):
