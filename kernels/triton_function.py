@@ -32,6 +32,7 @@ device's compute capability).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -75,17 +76,25 @@ def schedule_rejections(schedule: Schedule, q: torch.Tensor, K: int, V: int, op:
     if not q.is_cuda:
         return []
     from rewy_tune.problem import dtype_label
+
+    cc = tuple(torch.cuda.get_device_capability(q.device))
+    return list(_constraint_once(schedule, K, V, dtype_label(q.dtype), cc, op))
+
+
+@functools.lru_cache(maxsize=256)
+def _constraint_once(schedule: Schedule, K: int, V: int, dtype: str, cc: tuple[int, int], op: str) -> tuple[str, ...]:
+    # about 15 µs a call uncached; the dispatcher hands the same winner over on every call of a layer
     from rewy_tune.search_spaces import constraint
 
-    dims = {"K": K, "V": V, "dtype": dtype_label(q.dtype), "op": op,
-            "compute_capability": torch.cuda.get_device_capability(q.device)}
-    return constraint(schedule, dims, op=op)
+    dims = {"K": K, "V": V, "dtype": dtype, "op": op, "compute_capability": cc}
+    return tuple(constraint(schedule, dims, op=op))
 
 
 def _warn_rejected_schedule(schedule: Schedule, q: torch.Tensor, K: int, V: int, op: str) -> None:
     # A warning, not an error: the constraint's shared-memory and register figures are estimates and may turn away
     # a schedule that compiles; but its sm_90 miscompile rules name schedules that run and give wrong gradients,
-    # which must not pass unnoticed. The tuner and the dispatcher only hand over schedules it accepts.
+    # which must not pass unnoticed. The dispatcher's winners pass through here too (the constraint accepted them
+    # when they were tuned; cached, the check costs a dictionary lookup).
     reasons = schedule_rejections(schedule, q, K, V, op)
     if reasons:
         warnings.warn(f"schedule: the search space's constraint rejects this schedule for {op} K={K} V={V} "
