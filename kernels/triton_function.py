@@ -70,24 +70,25 @@ def default_schedule_for(q: torch.Tensor, K: int, V: int, op: str | None = None,
     return default_schedule(cc, K=K, V=V, op=op, dtype=dtype_label(q.dtype), policy=policy)
 
 
-def schedule_rejections(schedule: Schedule, q: torch.Tensor, K: int, V: int, op: str) -> list[str]:
-    """The search space's constraint on a caller's schedule for this call's device, head dims and dtype (empty:
-    accepted). Only on CUDA: the interpreter has no shared-memory limit and no sm_90 miscompiles."""
+def schedule_rejection(schedule: Schedule, q: torch.Tensor, K: int, V: int, op: str) -> str | None:
+    """Why the tuner's gate before compiling (`search.constraint_violation`: head dims, tiles, the search space's
+    constraint) would turn a caller's schedule away for this call's device, head dims and dtype; None: accepted.
+    Only on CUDA: the interpreter has no shared-memory limit and no sm_90 miscompiles."""
     if not q.is_cuda:
-        return []
+        return None
     from rewy_tune.problem import dtype_label
 
     cc = tuple(torch.cuda.get_device_capability(q.device))
-    return list(_constraint_once(schedule, K, V, dtype_label(q.dtype), cc, op))
+    return _constraint_violation_once(schedule, K, V, dtype_label(q.dtype), cc, op)
 
 
 @functools.lru_cache(maxsize=256)
-def _constraint_once(schedule: Schedule, K: int, V: int, dtype: str, cc: tuple[int, int], op: str) -> tuple[str, ...]:
+def _constraint_violation_once(schedule: Schedule, K: int, V: int, dtype: str, cc: tuple[int, int], op: str
+                               ) -> str | None:
     # about 15 µs a call uncached; the dispatcher hands the same winner over on every call of a layer
-    from rewy_tune.search_spaces import constraint
+    from rewy_tune.search import constraint_violation
 
-    dims = {"K": K, "V": V, "dtype": dtype, "op": op, "compute_capability": cc}
-    return tuple(constraint(schedule, dims, op=op))
+    return constraint_violation(schedule, op=op, K=K, V=V, compute_capability=cc, dtype=dtype)
 
 
 def _warn_rejected_schedule(schedule: Schedule, q: torch.Tensor, K: int, V: int, op: str) -> None:
@@ -95,11 +96,11 @@ def _warn_rejected_schedule(schedule: Schedule, q: torch.Tensor, K: int, V: int,
     # a schedule that compiles; but its sm_90 miscompile rules name schedules that run and give wrong gradients,
     # which must not pass unnoticed. The dispatcher's winners pass through here too (the constraint accepted them
     # when they were tuned; cached, the check costs a dictionary lookup).
-    reasons = schedule_rejections(schedule, q, K, V, op)
-    if reasons:
+    reason = schedule_rejection(schedule, q, K, V, op)
+    if reason:
         warnings.warn(f"schedule: the search space's constraint rejects this schedule for {op} K={K} V={V} "
-                      f"{q.dtype} on this GPU; it may fail to compile or compute wrong gradients: "
-                      + "; ".join(reasons), RuntimeWarning, stacklevel=7)  # the line that called the public op
+                      f"{q.dtype} on this GPU; it may fail to compile or compute wrong gradients: {reason}",
+                      RuntimeWarning, stacklevel=7)  # the line that called the public op
 
 
 # KDA/GDN2 under policy R: FLA's forward state scan V-first (as FLA's layers call it). On since session 20: the KDA/GDN2
@@ -280,10 +281,10 @@ class RewyTritonFunction(torch.autograd.Function):
         except OutOfResources as e:  # Triton's message names a kernel, not the Schedule field to change
             K, V = q.shape[-1], v.shape[-1]
             op = op_of(g, erase)
-            reasons = schedule_rejections(ctx.schedule, q, K, V, op)
+            reason = schedule_rejection(ctx.schedule, q, K, V, op)
             raise ValueError(f"schedule: a backward kernel needs more GPU resources than this device has "
                              f"({e}) for {op} K={K} V={V}; "
-                             + ("the search space's constraint says: " + "; ".join(reasons) if reasons else
+                             + (f"the search space's constraint says: {reason}" if reason else
                                 "pass a schedule with smaller tiles or fewer stages, or schedule=None")) from e
         dA_log, ddt_bias = gate_grads.get("A_log"), gate_grads.get("dt_bias")
         if dh0 is not None and initial_state is not None:

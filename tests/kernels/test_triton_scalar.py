@@ -1953,8 +1953,8 @@ def test_caller_schedule_the_constraint_rejects_warns(monkeypatch):
     from rewy_tune.kernels import triton_function as tf
 
     seen = []
-    monkeypatch.setattr(tf, "schedule_rejections", lambda s, q, K, V, op: seen.append((op, K, V)) or
-                        ["recompute.block_k=128 with 4 warps", "shared memory 300000 B > 232448 B"])
+    monkeypatch.setattr(tf, "schedule_rejection", lambda s, q, K, V, op: seen.append((op, K, V)) or
+                        "recompute.block_k=128 with 4 warps; shared memory 300000 B > 232448 B")
     x = make_inputs("deltanet", 1, 70, 1, 32, 32, seed=5)
     with pytest.warns(RuntimeWarning, match=r"schedule: the search space's constraint rejects this schedule for "
                                             r"deltanet K=32 V=32 .*recompute.block_k=128 with 4 warps; shared memory"
@@ -1968,25 +1968,27 @@ def test_caller_schedule_the_constraint_rejects_warns(monkeypatch):
     assert len(seen) == 1
 
 
-def test_caller_schedule_rejections_on_sm90_and_off_cuda(monkeypatch):
+def test_caller_schedule_rejection_on_sm90_and_off_cuda(monkeypatch):
     # a schedule with the sm_90 recompute fault (4 warps, block_k > block_v, 16-bit inputs): rejected for a CUDA
     # tensor on compute capability 9.0 (the device query stood in), not for a CPU tensor: the interpreter has no
     # shared-memory limit and no sm_90 miscompiles
     from types import SimpleNamespace
 
-    from rewy_tune.kernels.triton_function import schedule_rejections
+    from rewy_tune.kernels.triton_function import schedule_rejection
+    from rewy_tune.search_spaces.scalar import recompute_fault_reasons
 
     faulty = BASE.replace(recompute={"block_k": 32, "block_v": 16, "num_warps": 4, "num_stages": 1})
     q = make_inputs("deltanet", 1, 70, 1, 32, 32, dtype=torch.bfloat16)["q"]
-    assert schedule_rejections(faulty, q, 32, 32, "deltanet") == []
+    assert schedule_rejection(faulty, q, 32, 32, "deltanet") is None
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
     on_gpu = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:1")
-    reasons = schedule_rejections(faulty, on_gpu, 32, 32, "deltanet")
-    assert asked == ["cuda:1"] and len(reasons) == 1 and reasons[0].startswith("recompute.block_k=32 > block_v=16")
-    assert schedule_rejections(BASE, on_gpu, 32, 32, "deltanet") == []
-    assert schedule_rejections(faulty, SimpleNamespace(is_cuda=True, dtype=torch.float32, device="cuda:0"),
-                               32, 32, "deltanet") == []  # fp32 inputs compile another path
+    reason = schedule_rejection(faulty, on_gpu, 32, 32, "deltanet")
+    assert asked == ["cuda:1"] and reason.startswith("recompute.block_k=32 > block_v=16")
+    assert reason == recompute_fault_reasons(faulty, 2, (9, 0))[0]  # that reason alone
+    assert schedule_rejection(BASE, on_gpu, 32, 32, "deltanet") is None
+    assert schedule_rejection(faulty, SimpleNamespace(is_cuda=True, dtype=torch.float32, device="cuda:0"),
+                              32, 32, "deltanet") is None  # fp32 inputs compile another path
 
 
 def test_out_of_resources_in_the_backward_names_the_schedule(monkeypatch):
@@ -2005,7 +2007,7 @@ def test_out_of_resources_in_the_backward_names_the_schedule(monkeypatch):
     with pytest.raises(ValueError, match=r"schedule: a backward kernel needs more GPU resources than this device has "
                                          r"\(.*shared memory.*\) for deltanet K=32 V=32; pass a schedule with smaller"):
         torch.autograd.grad(o, leaves, x["do"])
-    monkeypatch.setattr(tf, "schedule_rejections", lambda *a: ["consumer: shared memory 300000 B > 232448 B"])
+    monkeypatch.setattr(tf, "schedule_rejection", lambda *a: "consumer: shared memory 300000 B > 232448 B")
     with pytest.warns(RuntimeWarning, match="consumer: shared memory"):  # the forward's warning came first
         o, leaves = _public_deltanet(x, schedule=BASE)
     with pytest.raises(ValueError, match=r"the search space's constraint says: consumer: shared memory 300000 B"):
