@@ -260,6 +260,7 @@ class RewyTritonFunction(torch.autograd.Function):
                       else (None,) * 3)
         ctx.save_for_backward(q, k, v, g, erase, write, initial_state, A, S0, R, Aqk, W, A_log, dt_bias, qg, kg, gk)
         ctx.scale, ctx.schedule, ctx.gate_in_kernel, ctx.lower_bound = scale, schedule, gate is not None, lower_bound
+        ctx.op = op  # for the backward's OutOfResources message
         ctx.set_materialize_grads(False)
         return o, (final_state if output_final_state else None)
 
@@ -280,10 +281,9 @@ class RewyTritonFunction(torch.autograd.Function):
                 scan_qk=(qg, kg, gk) if qg is not None else None)
         except OutOfResources as e:  # Triton's message names a kernel, not the Schedule field to change
             K, V = q.shape[-1], v.shape[-1]
-            op = op_of(g, erase)
-            reason = schedule_rejection(ctx.schedule, q, K, V, op)
+            reason = schedule_rejection(ctx.schedule, q, K, V, ctx.op)
             raise ValueError(f"schedule: a backward kernel needs more GPU resources than this device has "
-                             f"({e}) for {op} K={K} V={V}; "
+                             f"({e}) for {ctx.op} K={K} V={V}; "
                              + (f"the search space's constraint says: {reason}" if reason else
                                 "pass a schedule with smaller tiles or fewer stages, or schedule=None")) from e
         dA_log, ddt_bias = gate_grads.get("A_log"), gate_grads.get("dt_bias")

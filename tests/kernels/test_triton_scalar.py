@@ -1467,7 +1467,6 @@ def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
     # The bf16 gate, with initial state and a tail at (1, 1000, 4), and run-twice bits
     from rewy_tune.search_spaces import constraint, default_schedule
 
-    dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": torch.cuda.get_device_capability()}
     x = make_inputs(op, B, T, H, 128, 128, dtype=torch.bfloat16, device="cuda", seed=B * T + H + 3, gate_div=1.0)
     ref = oracle({n: (t.float() if t is not None else None) for n, t in x.items()})
     default = default_schedule(torch.cuda.get_device_capability(), op=op, policy=policy)
@@ -1477,6 +1476,7 @@ def test_gpu_reverse_scan_variants(variant, op, B, T, H, policy):
             for bv, warps in ((64, 4), (64, 8), (32, 4))}
     elif variant == "dv_local_in_scan":
         in_scan = default.replace(dv_local_source="scan")
+        dims = {"K": 128, "V": 128, "dtype": "bf16", "compute_capability": torch.cuda.get_device_capability()}
         if constraint(in_scan, dims, op):
             # DeltaNet A's default forms Qᵀ dO ahead where its reverse scan splits (session 38): with A_qk formed in
             # the scan too that needs 237 568 B at 3 stages (session 47, H100: OutOfResources at (1, 8192, 4)), which
