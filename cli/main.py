@@ -64,6 +64,17 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _ops_and_policies(op: str, policy: str) -> tuple[list[str], list[str]]:
+    """--op (an operator or all) and --policy (R, A or both) as lists; a bad value exits naming the option."""
+    from rewy_tune.cli.verify import ALL_OPS
+
+    if op != "all" and op not in ALL_OPS:
+        _fail(f"--op: unknown operator {op!r}; accepted: {', '.join(ALL_OPS)}, all")
+    if policy not in ("R", "A", "both"):
+        _fail(f"--policy: got {policy!r}; accepted: R, A, both")
+    return (list(ALL_OPS) if op == "all" else [op]), (["R", "A"] if policy == "both" else [policy])
+
+
 @app.command()
 def verify(
     op: str = typer.Option("all", help="deltanet, gdn, kda, gdn2 or all"),
@@ -73,20 +84,15 @@ def verify(
     seed: int = typer.Option(0, help="first random seed (each case draws fresh inputs)"),
 ) -> None:
     """Run the correctness gate: every output and gradient against the float64 reference."""
-    from rewy_tune.cli.verify import ALL_OPS, resolve_device, run_verify
+    from rewy_tune.cli.verify import resolve_device, run_verify
 
-    ops = list(ALL_OPS) if op == "all" else [op]
-    if any(o not in ALL_OPS for o in ops):
-        _fail(f"--op: unknown operator {op!r}; accepted: {', '.join(ALL_OPS)}, all")
-    if policy not in ("R", "A", "both"):
-        _fail(f"--policy: got {policy!r}; accepted: R, A, both")
+    ops, policies = _ops_and_policies(op, policy)
     if backend not in ("torch", "triton", "auto"):
         _fail(f"--backend: got {backend!r}; accepted: torch, triton, auto")
     try:
         device = resolve_device(device)
     except ValueError as exc:
         _fail(str(exc))
-    policies = ["R", "A"] if policy == "both" else [policy]
     ok = run_verify(ops, backend, device, policies, seed, console)
     raise typer.Exit(code=0 if ok else 1)
 
@@ -109,13 +115,8 @@ def bench(
 
     from rewy_tune.cli.bench import apply_overrides, load_schedule, parse_overrides, parse_shapes, run_many
     from rewy_tune.schedule import Schedule
-    from rewy_tune.cli.verify import ALL_OPS
 
-    ops = list(ALL_OPS) if op == "all" else [op]
-    if any(o not in ALL_OPS for o in ops):
-        _fail(f"--op: unknown operator {op!r}; accepted: {', '.join(ALL_OPS)}, all")
-    if policy not in ("R", "A", "both"):
-        _fail(f"--policy: got {policy!r}; accepted: R, A, both")
+    ops, policies = _ops_and_policies(op, policy)
     if rounds < 30:
         _fail(f"--rounds: the measurement protocol needs at least 30, got {rounds}")
     if jobs is not None and jobs < 1:
@@ -127,7 +128,6 @@ def bench(
         _fail(str(exc))
     if not torch.cuda.is_available():
         _fail("bench needs a CUDA GPU (timings on the CPU interpreter are meaningless)")
-    policies = ["R", "A"] if policy == "both" else [policy]
     try:
         shape_list = parse_shapes(shapes)
         runs = [(o, p, apply_overrides(load_schedule(schedule, o, policy=p, shape=shape_list[0], K=head_dim,

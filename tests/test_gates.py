@@ -105,4 +105,7 @@ def test_verify_command_exit_codes():
     assert "all gates passed" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "rewy_tune.cli.main", "verify", "--op", "nope"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and "accepted: deltanet, gdn, kda, gdn2, all" in bad.stdout
+    assert bad.returncode == 2 and "--op: unknown operator 'nope'; accepted: deltanet, gdn, kda, gdn2, all" in bad.stdout
+    bad = subprocess.run([sys.executable, "-m", "rewy_tune.cli.main", "verify", "--op", "gdn", "--policy", "C"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--policy: got 'C'; accepted: R, A, both" in bad.stdout
