@@ -79,9 +79,9 @@ def candidate_schedule(spec: str, capability):
     return apply_overrides(default_schedule(capability, op=op, policy=policy), parse_overrides(sets))
 
 
-def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16), K: int = 128, V: int = 128):
-    """'default' → the built-in default for this GPU; 'db' → the stored winner nearest to `shape`
-    for this device's fingerprint; a path → a Schedule JSON file."""
+def load_schedule(spec: str, op: str, *, policy: str = "R", K: int = 128, V: int = 128):
+    """'default' → the built-in default for this GPU; a path → a Schedule JSON file. ('db' is resolved per shape:
+    `shape_schedules`.)"""
     import torch
 
     from rewy_tune.schedule import Schedule
@@ -90,8 +90,6 @@ def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16),
     if spec == "default":
         cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         return default_schedule(op, cc, K, V, policy=policy)
-    if spec == "db":
-        return _stored_winner(op, policy, shape, K, V)
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"--schedule: {spec!r} is neither 'default', 'db' nor a readable JSON file")
@@ -101,38 +99,49 @@ def load_schedule(spec: str, op: str, *, policy: str = "R", shape=(1, 2048, 16),
         raise ValueError(f"--schedule {spec}: not a valid schedule: {exc}") from None
 
 
-def _stored_winner(op: str, policy: str, shape, K: int, V: int):
-    from rewy_tune.db import DatabaseError, open_db, queries
-    from rewy_tune.device import current_fingerprint
-    from rewy_tune.problem import Problem, log_distance
-    from rewy_tune.schedule import Schedule
-
-    try:
-        db = open_db(read_only=True)
-    except DatabaseError as exc:
-        raise ValueError(f"--schedule db: {exc}") from None
-    want = Problem(op, policy, "bf16", *shape, K, V).bucket()
-    with db.session() as s:
-        rows = [(log_distance(want, queries.bucket_of(w)), w.schedule)
-                for w in queries.winners(s, op=op, policy=policy, fingerprint=current_fingerprint())]
-    db.close()
-    rows = [r for r in rows if r[0] != float("inf")]
-    if not rows:
-        raise ValueError(f"--schedule db: no stored winner for {op} policy {policy} K={K} V={V} on this device; "
-                         f"run `rewy-tune --device auto --op {op}` first")
-    return Schedule.from_dict(min(rows, key=lambda r: r[0])[1])
+# the dispatcher's reasons for a stored winner (the others name a built-in schedule)
+TUNED_REASONS = ("exact:", "nearest:", "same-cc:")
 
 
-def run_bench(op: str, policy: str, schedule, shapes, K: int, V: int, rounds: int, seed: int,
+def dispatched_schedules(op: str, policy: str, shapes, K: int, V: int, *, device=None, environment=None,
+                         db_url=None) -> list[tuple]:
+    """'--schedule db': per shape, the (schedule, reason) that the runtime dispatcher (`rewy_tune.lookup`) picks on
+    this GPU, so the bench times what `enable()` and backend "auto" run at each shape, not one winner for all. A
+    ValueError if no shape gets a stored winner: every one would time a built-in schedule. device, environment,
+    db_url: as `lookup` takes them (tests)."""
+    from rewy_tune.dispatch import lookup
+    from rewy_tune.problem import Problem
+
+    picked = [lookup(Problem(op, policy, "bf16", B=B, T=T, H=H, K=K, V=V), device, environment=environment,
+                     db_url=db_url) for B, T, H in shapes]
+    if not any(reason.startswith(TUNED_REASONS) for _, reason in picked):
+        raise ValueError(f"--schedule db: no stored winner for {op} policy {policy} K={K} V={V} on this device "
+                         f"({picked[0][1]}); run `rewy-tune --device auto --op {op}` first")
+    return picked
+
+
+def shape_schedules(spec: str, op: str, policy: str, shapes, K: int, V: int, params: dict) -> list[tuple]:
+    """(schedule, where it came from) per shape for --schedule SPEC, with the --set parameters applied to each."""
+    if spec == "db":
+        picked = dispatched_schedules(op, policy, shapes, K, V)
+    else:
+        origin = "default: the built-in schedule for this GPU" if spec == "default" else f"file: {spec}"
+        picked = [(load_schedule(spec, op, policy=policy, K=K, V=V), origin)] * len(shapes)
+    return [(apply_overrides(s, params), origin) for s, origin in picked]
+
+
+def run_bench(op: str, policy: str, schedules, shapes, K: int, V: int, rounds: int, seed: int,
               console: Console) -> dict:
+    """schedules: (schedule, where it came from) per shape (`shape_schedules`)."""
     from rewy_tune import fla_baseline
 
     bypassed = fla_baseline.bypass_hopper_guard() if op == "gdn" else False
-    ours = measure.rewy_op_fn(op, policy, schedule)
     fla = fla_baseline.fla_op(op, policy)
     results = []
-    for shape in shapes:
-        console.print(f"measuring {op} policy {policy} shape (B,T,H)={shape} K={K} V={V} ...")
+    for shape, (schedule, origin) in zip(shapes, schedules, strict=True):
+        console.print(f"measuring {op} policy {policy} shape (B,T,H)={shape} K={K} V={V}, schedule {origin} ...",
+                      soft_wrap=True)
+        ours = measure.rewy_op_fn(op, policy, schedule)
         results.append(measure.measure_shape(op, ours, fla, shape, K=K, V=V, rounds=rounds, seed=seed))
     geo = measure.geometric_mean([r.speedup for r in results])
     versions = measure.software_versions()
@@ -156,8 +165,11 @@ def run_bench(op: str, policy: str, schedule, shapes, K: int, V: int, rounds: in
     return {
         "op": op, "policy": policy, "K": K, "V": V, "rounds": rounds,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "schedule": schedule.to_dict(), "versions": versions, "fla_guard_bypassed": bypassed,
-        "geomean_speedup": geo, "shapes": [r.to_dict() for r in results],
+        # one schedule for every shape, or None where --schedule db picked them per shape (then each shape's own)
+        "schedule": schedules[0][0].to_dict() if len({s for s, _ in schedules}) == 1 else None,
+        "versions": versions, "fla_guard_bypassed": bypassed, "geomean_speedup": geo,
+        "shapes": [{**r.to_dict(), "schedule": s.to_dict(), "schedule_origin": origin}
+                   for r, (s, origin) in zip(results, schedules)],
         # FLA's configurations as its autotuners picked them in this process: they can differ from run to run
         "fla_autotune_picks": autotune_parts.picks(),
     }
@@ -177,21 +189,23 @@ def write_json(path: str, data: dict) -> None:
 
 def run_many(runs, shapes, K: int, V: int, rounds: int, seed: int, jobs: int | None, json_out: str | None,
              console: Console) -> int:
-    """Bench each (op, policy, schedule) in turn after compiling all of them ahead in parallel; a run that
-    fails is reported and the others go on. Exit code 1 if any failed."""
+    """Bench each (op, policy, per-shape schedules) in turn after compiling all of them ahead in parallel; a run
+    that fails is reported and the others go on. Exit code 1 if any failed."""
     from rewy_tune import fla_baseline, warmup
 
     fla_baseline.autotune_here()  # FLA's picks are timed here, on an idle GPU, not read from the disk cache
     jobs = warmup.default_jobs() if jobs is None else jobs
     if jobs > 1:
         t0 = time.perf_counter()
-        # One task per head count: H is a compile-time constant, so shapes that share it share kernels
-        # and are better compiled once, in one process, than concurrently in several.
-        by_h: dict[int, list] = {}
-        for shape in shapes:
-            by_h.setdefault(shape[2], []).append(shape)
-        tasks = [warmup.WarmTask(op, policy, sched.to_dict(), group, K, V)
-                 for op, policy, sched in runs for group in by_h.values()]
+        # One task per schedule and head count: H is a compile-time constant, so shapes that share it (and the
+        # schedule) share kernels and are better compiled once, in one process, than concurrently in several.
+        tasks = []
+        for op, policy, scheds in runs:
+            groups: dict[tuple, list] = {}
+            for shape, (sched, _) in zip(shapes, scheds):
+                groups.setdefault((sched, shape[2]), []).append(shape)
+            tasks += [warmup.WarmTask(op, policy, sched.to_dict(), group, K, V)
+                      for (sched, _), group in groups.items()]
         console.print(f"compiling ahead: {len(tasks)} (operator, policy, head count) tasks in {jobs} processes ...")
         for r in warmup.warm(tasks, jobs):
             if r.status != "ok":

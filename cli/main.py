@@ -101,7 +101,7 @@ def verify(
 def bench(
     op: str = typer.Option(..., help="deltanet, gdn, kda, gdn2 or all"),
     policy: str = typer.Option("R", help="R (recompute), A (save all) or both"),
-    schedule: str = typer.Option("default", help="default, db, or a Schedule JSON file"),
+    schedule: str = typer.Option("default", help="default, a Schedule JSON file, or db: per shape what the runtime dispatcher picks (stored winners)"),
     shapes: Optional[list[str]] = typer.Option(None, help="B,T,H; repeat the option or quote a list (\"1,512,4 1,2048,16\"); default: the paper's six"),
     head_dim: int = typer.Option(128, "--head-dim", help="K = V"),
     rounds: int = typer.Option(30, help="interleaved observations per side (>= 30)"),
@@ -113,7 +113,7 @@ def bench(
     """Time our complete backward against FLA's in one process (CUDA graphs, interleaved rounds)."""
     import torch
 
-    from rewy_tune.cli.bench import apply_overrides, load_schedule, parse_overrides, parse_shapes, run_many
+    from rewy_tune.cli.bench import apply_overrides, parse_overrides, parse_shapes, run_many, shape_schedules
     from rewy_tune.schedule import Schedule
 
     ops, policies = _ops_and_policies(op, policy)
@@ -130,8 +130,7 @@ def bench(
         _fail("bench needs a CUDA GPU (timings on the CPU interpreter are meaningless)")
     try:
         shape_list = parse_shapes(shapes)
-        runs = [(o, p, apply_overrides(load_schedule(schedule, o, policy=p, shape=shape_list[0], K=head_dim,
-                                                     V=head_dim), params))
+        runs = [(o, p, shape_schedules(schedule, o, p, shape_list, head_dim, head_dim, params))
                 for o in ops for p in policies]
     except ValueError as exc:
         _fail(str(exc))

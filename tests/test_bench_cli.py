@@ -83,6 +83,42 @@ def test_candidate_schedule_is_the_operators_default_with_fields_set():
         candidate_schedule("deltanet A query_side_block_v=48", (9, 0))
 
 
+def test_schedule_db_times_what_the_dispatcher_picks_per_shape(tmp_path):
+    # --schedule db took the winner nearest the first shape for every shape; it now asks the runtime dispatcher for
+    # each, so the bench times what enable() runs at each shape, and says where each schedule came from
+    from rewy_tune.cli.bench import dispatched_schedules
+    from rewy_tune.dispatch import clear_cache
+    from rewy_tune.problem import Problem
+    from test_dispatch import H200, RUN, make_db
+
+    base = default_schedule("gdn", (9, 0), 64, 64)
+    short, long = base.replace(cumsum={"num_warps": 1}), base.replace(cumsum={"num_warps": 2})
+    url = make_db(tmp_path / "w.db", [(H200, RUN, Problem("gdn", "R", "bf16", 1, 512, 4, 64, 64), short),
+                                      (H200, RUN, Problem("gdn", "R", "bf16", 1, 8192, 16, 64, 64), long)])
+    clear_cache()
+    try:
+        got = dispatched_schedules("gdn", "R", [(1, 512, 4), (1, 8192, 16), (2, 8192, 16)], 64, 64, device=H200,
+                                   environment=RUN, db_url=url)
+        assert [s for s, _ in got] == [short, long, long]
+        assert [r.split(":")[0] for _, r in got] == ["exact", "exact", "nearest"], got
+        with pytest.raises(ValueError, match=r"--schedule db: no stored winner for kda policy R K=64 V=64 on this "
+                                             r"device \(default: built-in schedule"):
+            dispatched_schedules("kda", "R", [(1, 512, 4)], 64, 64, device=H200, environment=RUN, db_url=url)
+    finally:
+        clear_cache()
+
+
+def test_shape_schedules_apply_the_overrides_to_each_shape(tmp_path):
+    from rewy_tune.cli.bench import shape_schedules
+
+    got = shape_schedules("default", "gdn", "A", [(1, 512, 4), (1, 2048, 16)], 64, 64, {"side_stream": "none"})
+    want = default_schedule("gdn", None, 64, 64, policy="A").replace(side_stream="none")
+    assert got == [(want, "default: the built-in schedule for this GPU")] * 2
+    f = tmp_path / "s.json"
+    f.write_text(want.to_json())
+    assert shape_schedules(str(f), "gdn", "R", [(1, 64, 1)], 64, 64, {}) == [(want, f"file: {f}")]
+
+
 def test_default_schedule_is_the_operators_own(tmp_path):
     for op in ("deltanet", "gdn", "kda", "gdn2"):
         assert load_schedule("default", op, K=64, V=64) == default_schedule(op, None, 64, 64)
@@ -96,6 +132,8 @@ def test_default_schedule_is_the_operators_own(tmp_path):
     with pytest.raises(ValueError, match="neither 'default', 'db'"):
         load_schedule(str(tmp_path / "missing.json"), "gdn")
     assert isinstance(load_schedule("default", "kda"), Schedule)
+    with pytest.raises(ValueError, match="neither 'default', 'db'"):
+        load_schedule("db", "gdn")  # per shape only: shape_schedules
 
 
 @pytest.mark.gpu
@@ -141,6 +179,53 @@ def test_bench_many_runs_compiles_ahead_then_writes_one_json_each(tmp_path, monk
     written = sorted(p.name for p in out.iterdir())
     assert written == sorted(f"bench-{o}-{p}.json" for o in ("deltanet", "gdn", "gdn2") for p in ("R", "A"))
     assert json.loads((out / "bench-gdn2-A.json").read_text())["K"] == 64
+
+
+def test_run_bench_times_each_shape_with_its_own_schedule(monkeypatch):
+    # the measuring part stood in: each shape's op is built from that shape's schedule, and the JSON says which
+    # schedule and origin each shape had (top-level "schedule" only where one served every shape)
+    from rich.console import Console
+
+    from rewy_tune import autotune_parts, fla_baseline, measure
+    from rewy_tune.cli.bench import run_bench, run_many
+
+    base = default_schedule("gdn", (9, 0), 64, 64)
+    other = base.replace(cumsum={"num_warps": 1})
+    built, timed = [], []
+    monkeypatch.setattr(fla_baseline, "fla_op", lambda op, policy: "fla")
+    monkeypatch.setattr(fla_baseline, "bypass_hopper_guard", lambda: False)
+    monkeypatch.setattr(autotune_parts, "picks", lambda: [])
+    monkeypatch.setattr(measure, "rewy_op_fn", lambda op, policy, schedule: built.append(schedule) or schedule)
+
+    def fake_measure(op, ours, fla, shape, *, K, V, rounds, seed):
+        timed.append((shape, ours))
+        side = measure.SideTiming([1.0, 1.0], [2.0], [3.0], 1.0)
+        return measure.ShapeResult(shape, K, V, side, measure.SideTiming([1.5, 1.5], [3.0], [4.5], 2.0))
+
+    monkeypatch.setattr(measure, "measure_shape", fake_measure)
+    shapes = [(1, 512, 4), (1, 8192, 16)]
+    data = run_bench("deltanet", "R", [(base, "exact: #1"), (other, "nearest: #2")], shapes, 64, 64, 30, 0,
+                     Console(file=None, width=200, quiet=True))
+    assert built == [base, other] and timed == list(zip(shapes, [base, other]))
+    assert data["schedule"] is None and data["geomean_speedup"] == pytest.approx(1.5)
+    assert [(d["schedule"], d["schedule_origin"]) for d in data["shapes"]] == [
+        (base.to_dict(), "exact: #1"), (other.to_dict(), "nearest: #2")]
+    data = run_bench("deltanet", "R", [(base, "default")] * 2, shapes, 64, 64, 30, 0, Console(quiet=True))
+    assert data["schedule"] == base.to_dict()
+    with pytest.raises(ValueError):  # one schedule per shape, never silently fewer
+        run_bench("deltanet", "R", [(base, "default")], shapes, 64, 64, 30, 0, Console(quiet=True))
+
+    # compile-ahead: one task per (schedule, head count), so a shape's own schedule is the one compiled
+    from rewy_tune import warmup
+
+    warmed = []
+    monkeypatch.setattr(warmup, "warm", lambda tasks, jobs: warmed.extend(tasks) or [])
+    monkeypatch.setattr(fla_baseline, "autotune_here", lambda: None)
+    three = [(1, 512, 4), (1, 2048, 4), (1, 8192, 16)]
+    run_many([("deltanet", "R", [(base, "a"), (other, "b"), (other, "c")])], three, 64, 64, 30, 0, 2, None,
+             Console(quiet=True))
+    assert sorted((t.schedule == other.to_dict(), t.shapes) for t in warmed) == [
+        (False, [(1, 512, 4)]), (True, [(1, 2048, 4)]), (True, [(1, 8192, 16)])]
 
 
 def test_json_into_an_existing_directory(tmp_path):
