@@ -6,9 +6,13 @@ from rewy_tune.gates import GATE_RTOL as GATE
 from rewy_tune.gates import ORDINARY_RTOL as ORDINARY
 
 GATE_LIKE = ("dg", "d_erase", "d_write")
+# Triton 3.6's interpreter converts fp32 -> bf16 by truncation (test_interpreter_quirks.py pins it): twice the error
+# bound of the GPU's round-to-nearest. Small bf16 tests hold interpreter results to this many times the gate, so
+# that they still fail on wrong gradients; on a GPU the gate applies unchanged.
+INTERPRETER_BF16_FACTOR = 2
 NAMES = ("dq", "dk", "dv", "dg", "d_erase", "d_write", "dh0")
 
-__all__ = ["GATE", "ORDINARY", "GATE_LIKE", "NAMES", "rel_rms", "assert_gates", "assert_same_bits"]
+__all__ = ["GATE", "ORDINARY", "GATE_LIKE", "INTERPRETER_BF16_FACTOR", "NAMES", "rel_rms", "assert_gates", "assert_same_bits"]
 
 
 def rel_rms(a, b):
@@ -26,7 +30,8 @@ def assert_same_bits(out, want, *, ctx=""):
             assert torch.equal(out[n], want[n]), f"{ctx}: {n} differs"
 
 
-def assert_gates(out, ref, *, ctx=""):
+def assert_gates(out, ref, *, ctx="", factor=1):
+    """Every gradient of `ref` within the project gate of it (times `factor`: INTERPRETER_BF16_FACTOR only)."""
     errs = {}
     for n in NAMES:
         if ref[n] is None:
@@ -36,6 +41,6 @@ def assert_gates(out, ref, *, ctx=""):
         assert out[n].shape == ref[n].shape, f"{ctx}: {n} shape {tuple(out[n].shape)} vs {tuple(ref[n].shape)}"
         assert torch.isfinite(out[n]).all(), f"{ctx}: {n} has non-finite values (unwritten tile?)"
         errs[n] = rel_rms(out[n], ref[n])
-        tol = GATE if n in GATE_LIKE else ORDINARY
+        tol = factor * (GATE if n in GATE_LIKE else ORDINARY)
         assert errs[n] <= tol, f"{ctx}: {n} rel RMS {errs[n]:.2e} > {tol} (all: {errs})"
     return errs
