@@ -43,6 +43,32 @@ def test_synthetic_run_writes_summary_and_plot(tc, tmp_path, capsys):
     assert "bar: TPE within 3%" in capsys.readouterr().out
 
 
+def test_replay_follows_the_table(tc):
+    # the curves the summary is built from, checked against the table itself: each evaluation's best-so-far is the
+    # running minimum of the sampled combinations' table latencies (the enqueued default first), divided by the
+    # exhaustive best; the summary test above only checks the summary against the curves
+    np = pytest.importorskip("numpy")
+    table = tc.synthetic_table(0)
+    index = tc.index_table(table)
+    _, opt = tc.exhaustive_best(table["space"], index)
+    assert opt == min(r["median_ms"] for r in table["results"] if r["status"] == "ok")
+    curve, study = tc.replay(table["space"], index, tc.random_sampler(1), 30, table["default"])
+    assert study.trials[0].params == table["default"]
+    best, want = math.inf, []
+    for t in study.trials:
+        status, ms = index[tuple(t.params[n] for n in table["space"])]
+        best = min(best, ms) if status == "ok" else best
+        want.append(best)
+    assert curve == want and math.isfinite(curve[0])
+    curves = tc.run_sampler("random", table, index, 2, 30)
+    assert np.array_equal(curves[1], np.array(curve) / opt)
+    assert (curves >= 1.0).all() and (np.diff(curves, axis=1) <= 0).all()
+    # the tuner's TPE finds a schedule within 3 % of the best on this smooth table: 18, 12 and 34 evaluations for
+    # seeds 0-2 with Optuna 4
+    tpe = tc.run_sampler("tpe", table, index, 3, 40)
+    assert sum(math.isfinite(r) for r in tc.evals_to_reach(tpe, 1.03)) >= 2
+
+
 def test_incomplete_table_names_the_missing_combination(tc, tmp_path, capsys):
     table = tc.synthetic_table(0)
     dropped = table["results"].pop(17)["params"]
