@@ -129,7 +129,11 @@ def open_db(url: str | None = None, *, read_only: bool = False) -> Database:
     if path is not None and read_only and not path.is_file():
         raise DatabaseError(f"no rewy-tune database at {label} (a read-only open does not create one)")
     if path is not None and not read_only:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a parent that is a file, not writable, or under /proc
+            raise DatabaseError(f"cannot create the folder of the rewy-tune database at {label}: "
+                                f"{exc.strerror or exc}") from None
     engine = None
     try:
         engine = make_engine(url, read_only=read_only)

@@ -188,6 +188,29 @@ def test_import_rejects_malformed_files_naming_the_field(db, tmp_path, mutate, f
     fresh.close()
 
 
+def test_import_with_a_malformed_later_winner_writes_none(db, tmp_path):
+    # "nothing half-written" where a good winner comes before the bad one (with one winner in the file, any check
+    # fails before a write, so the test above cannot tell an import that commits winner by winner)
+    cid = new_campaign(db)
+    other = Problem("gdn", "R", "bf16", B=1, T=8192, H=16, K=128, V=128).bucket()
+    with db.session() as s:
+        for bucket in (BUCKET, other):
+            queries.promote_winner(s, campaign_id=cid, bucket=bucket, schedule={}, latency_ms=1, fla_latency_ms=2)
+        data = exchange.export_winners(s)
+    assert len(data["winners"]) == 2
+    data["winners"][1].update(latency_ms="fast")
+    fresh = open_db(str(tmp_path / "fresh.db"))
+    with pytest.raises(exchange.ImportFormatError, match=r"winners\[1\]\.latency_ms: expected int or float"):
+        with fresh.session() as s:
+            exchange.import_winners(s, data)
+    with fresh.session() as s:
+        assert queries.winners(s) == [] and queries.devices(s) == [] and s.query(CampaignRow).count() == 0
+    data["winners"][1].update(latency_ms=1.0)
+    with fresh.session() as s:
+        assert exchange.import_winners(s, data) == 2  # the same file, mended, imports both
+    fresh.close()
+
+
 def test_migration_from_v1_keeps_data_and_matches_a_fresh_schema(tmp_path):
     url = as_db_url(str(tmp_path / "old.db"))
     engine = make_engine(url)
@@ -308,9 +331,29 @@ def test_reader_open_while_writers_commit(db):
     other_writer.close()
 
 
-def test_unreachable_server_is_a_clear_error():
-    with pytest.raises(DatabaseError, match=r"cannot open the rewy-tune database at postgresql://u:\*\*\*@"):
+def test_a_server_url_without_its_driver_is_a_clear_error():
+    # (no PostgreSQL driver is installed here: the error names the missing module, with the password hidden)
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is not None:
+        pytest.skip("psycopg is installed here")
+    with pytest.raises(DatabaseError, match=r"cannot open the rewy-tune database at postgresql://u:\*\*\*@127\.0\.0\.1:1"
+                                            r"/rewy: No module named 'psycopg'"):
         open_db("postgresql://u:secret@127.0.0.1:1/rewy")
+
+
+def test_unreachable_server_is_a_clear_error():
+    # a connection that fails (not a missing driver): SQLite at a file that cannot be opened stands in for a server
+    # that refuses, through the same SQLAlchemy error path
+    with pytest.raises(DatabaseError, match=r"cannot open the rewy-tune database at .*x\.db: unable to open "
+                                            r"database file"):
+        open_db("sqlite:////proc/self/x.db")
+
+
+def test_a_folder_that_cannot_be_made_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DatabaseError, match=r"cannot create the folder of the rewy-tune database at .*file/sub/x\.db"):
+        open_db(str(tmp_path / "file" / "sub" / "x.db"))
 
 
 def test_read_only_open_of_a_path_with_spaces_and_uri_characters(tmp_path):

@@ -205,15 +205,18 @@ def _safe_trials(db):
 @pytest.mark.parametrize("args, needle", [
     (["--device", "cpu", "--op", "mamba"], "unknown operator"),
     (["--device", "cpu", "--op", "gdn", "--shapes", "1,x,4"], "is not B,T,H"),
-    (["--device", "h100", "--op", "gdn"], "h100"),
-    (["--device", "cpu", "--op", "gdn", "--db", "postgresql://nobody@127.0.0.1:1/none"], "database"),
+    (["--device", "h100", "--op", "gdn"], "--device h100 needs a GPU but none is present"),
+    (["--device", "cpu", "--op", "gdn", "--db", "postgresql://nobody@127.0.0.1:1/none"],
+     "cannot open the rewy-tune database at postgresql://nobody@127.0.0.1:1/none: "),
+    (["--device", "cpu", "--op", "gdn", "--db", "FILE/sub/x.db"], "cannot create the folder of the rewy-tune database"),
     (["--device", "cpu", "--op", "gdn", "--workload", "WL"], "K=500"),
     (["--device", "cpu", "--op", "gdn", "--compile-jobs", "0"], "--compile-jobs must be at least 1"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
     wl = tmp_path / "wl.json"
     wl.write_text(json.dumps({"shapes": [[1, 64, 1]], "K": 500, "V": 32}))
-    args = [str(wl) if a == "WL" else a for a in args]
+    (tmp_path / "file").write_text("")  # a file where --db wants a folder
+    args = [str(wl) if a == "WL" else a.replace("FILE", str(tmp_path / "file")) for a in args]
     before = set(os.listdir(tmp_path))
     proc = cli(*args, "--db", str(tmp_path / "bad.db"), check=False, timeout=60) if "--db" not in args else \
         cli(*args, check=False, timeout=60)
