@@ -301,6 +301,12 @@ def _plan(op: str, arguments: dict, extra: dict) -> tuple[Activations | None, st
         for name, t in (("A_log", acts.A_log), ("dt_bias", acts.dt_bias)):
             if t is not None and t.numel() != want[name]:
                 return None, f"{name} has {t.numel()} elements (FLA expects {want[name]})"
+        # KDA/GDN2's gate runs inside our op, which takes the shapes FLA's layers pass (`GateActivation.check`)
+        shapes = {"A_log": ((H,),), "dt_bias": ((H * K,), (H, K))}
+        for name, t in (("A_log", acts.A_log), ("dt_bias", acts.dt_bias)):
+            if op != "gdn" and t is not None and tuple(t.shape) not in shapes[name]:
+                return None, f"{name} shape {list(t.shape)} (the routed gate takes " + \
+                    " or ".join(str(list(x)) for x in shapes[name]) + ")"
     h0 = arguments.get("initial_state")
     if h0 is not None:
         layout = (B, H, V, K) if acts.state_v_first else (B, H, K, V)

@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from rewy_tune.validation import validate_inputs
+from rewy_tune.schedule import Schedule
+from rewy_tune.validation import check_flag, triton_unsupported, validate_inputs
 
 
 
@@ -47,15 +48,18 @@ def gpu_unverified_dims(dtype: torch.dtype, K: int, V: int) -> str | None:
 
 
 def resolve_backend(op: str, backend: str, device: torch.device, dtype: torch.dtype | None = None,
-                    K: int | None = None, V: int | None = None) -> str:
+                    K: int | None = None, V: int | None = None, unfit: str | None = None) -> str:
     """Turn the requested backend into the one that runs, or raise a clear ValueError. With dtype, K and V,
-    "auto" also keeps CUDA calls whose 16-bit tiles are not GPU-verified (`gpu_unverified_dims`) on torch."""
+    "auto" also keeps on torch the CUDA calls the Triton backward cannot take (float64, K or V over its limit:
+    `validation.triton_unsupported`) or whose 16-bit tiles are not GPU-verified (`gpu_unverified_dims`); so does
+    `unfit`, the caller's reason from the call's other tensors (a float64 gate)."""
     if backend == "torch":
         return "torch"
     available = _triton_ops()
     on_cuda = device.type == "cuda"
     if backend == "auto":
-        if dtype is not None and K is not None and V is not None and gpu_unverified_dims(dtype, K, V):
+        if unfit or (dtype is not None and K is not None and V is not None
+                     and (triton_unsupported(K, V, dtype) or gpu_unverified_dims(dtype, K, V))):
             return "torch"
         return "triton" if on_cuda and op in _auto_ops() else "torch"
     # backend == "triton"
@@ -73,6 +77,7 @@ def resolve_backend(op: str, backend: str, device: torch.device, dtype: torch.dt
 
 def _gate_activation(use_gate_in_kernel, A_log, dt_bias, lower_bound, g):
     """KDA/GDN2's in-kernel gate (FLA's ``use_gate_in_kernel``) as a checked GateActivation, or None."""
+    check_flag("use_gate_in_kernel", use_gate_in_kernel)
     if not use_gate_in_kernel:
         for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if value is not None:
@@ -80,18 +85,25 @@ def _gate_activation(use_gate_in_kernel, A_log, dt_bias, lower_bound, g):
         return None
     from rewy_tune.kernels.triton.gate import GateActivation
 
-    gate = GateActivation(A_log, dt_bias, None if lower_bound is None else float(lower_bound))
+    gate = GateActivation(A_log, dt_bias, lower_bound)
     gate.check(g)
-    return gate
+    # the kernels read A_log[h] and dt_bias[h·K + k] from memory: a strided view (a checked shape) is copied,
+    # through autograd, so its gradient still reaches the caller's tensor
+    return GateActivation(*(t.contiguous() if t is not None else None for t in (gate.A_log, gate.dt_bias)),
+                          None if lower_bound is None else float(lower_bound))
 
 
 def _apply(op, q, k, v, g, erase, write, *, scale, initial_state, output_final_state, policy, backend,
            schedule=None, names=("g", "beta", "beta"), gate_args=(False, None, None, None)):
     validate_inputs(op, q, k, v, g, erase, write, scale=scale, initial_state=initial_state,
                     policy=policy, backend=backend, names=names)
+    check_flag("output_final_state", output_final_state)
+    if schedule is not None and not isinstance(schedule, Schedule):  # whichever backend runs: never ignored
+        raise ValueError(f"schedule: expected a rewy_tune.Schedule or None, got {type(schedule).__name__}")
     gate = _gate_activation(*gate_args, g)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    chosen = resolve_backend(op, backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
+    unfit = triton_unsupported(q.shape[-1], v.shape[-1], q.dtype, zip(names, (g, erase, write)))
+    chosen = resolve_backend(op, backend, q.device, q.dtype, q.shape[-1], v.shape[-1], unfit=unfit)
     if chosen == "torch":
         from rewy_tune.kernels.reference.function import RewyTorchFunction
 

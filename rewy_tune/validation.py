@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 OPS = ("deltanet", "gdn", "kda", "gdn2")
@@ -9,6 +12,27 @@ POLICIES = ("R", "A")
 BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM_TRITON = 256
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_unsupported(K: int, V: int, dtype: torch.dtype, others=()) -> str | None:
+    """Why the Triton backward cannot take a call, naming the argument; None if it can. others: (name, tensor or
+    None) of the gate and coefficients, which must not be float64 either (the kernels take 16- and 32-bit)."""
+    if K > MAX_HEAD_DIM_TRITON or V > MAX_HEAD_DIM_TRITON:
+        return f"q/v: the triton backend supports K, V <= {MAX_HEAD_DIM_TRITON}, got K={K}, V={V}"
+    accepted = "accepted: float16, bfloat16, float32 (float64: backend='torch')"
+    if dtype not in TRITON_DTYPES:
+        return f"q, k, v: dtype {dtype} is not supported by the triton backend; {accepted}"
+    for name, t in others:
+        if t is not None and t.dtype == torch.float64:
+            return f"{name}: dtype {t.dtype} is not supported by the triton backend; {accepted}"
+    return None
+
+
+def check_flag(name: str, value) -> None:
+    """A switch must be a bool: a string such as "False" would otherwise count as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -100,8 +124,11 @@ def validate_inputs(
         _expect("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
 
     if scale is not None:
-        if not isinstance(scale, (int, float)) or not (scale > 0) or scale == float("inf"):
-            raise ValueError(f"scale: expected a positive finite number or None (K**-0.5), got {scale!r}")
+        # a Python or NumPy real (np.float32 included); a bool is not a scale
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (scale > 0) \
+                or not math.isfinite(scale):
+            raise ValueError(f"scale: expected a positive finite number (Python or NumPy) or None (K**-0.5), got "
+                             f"{scale!r}")
 
     tensors = {"q": q, "k": k, "v": v, g_name: g, e_name: erase, w_name: write,
                "initial_state": initial_state}
@@ -110,8 +137,7 @@ def validate_inputs(
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"tensors must all be on one device, got {listing}")
 
-    if backend == "triton":
-        if K > MAX_HEAD_DIM_TRITON or V > MAX_HEAD_DIM_TRITON:
-            raise ValueError(
-                f"q/v: the triton backend supports K, V <= {MAX_HEAD_DIM_TRITON}, got K={K}, V={V}"
-            )
+    if backend == "triton":  # here, not when the backward runs after a forward that took the call
+        reason = triton_unsupported(K, V, q.dtype, ((g_name, g), (e_name, erase), (w_name, write)))
+        if reason:
+            raise ValueError(reason)

@@ -90,9 +90,59 @@ def test_unknown_backend():
         call("gdn", kw=dict(backend="cuda"))
 
 
-def test_bad_scale():
-    with pytest.raises(ValueError, match=r"scale: expected a positive finite number or None"):
-        call("kda", kw=dict(scale=-1.0))
+@pytest.mark.parametrize("scale", [-1.0, 0, float("inf"), float("nan"), True, "0.5", torch.tensor(0.5)])
+def test_bad_scale(scale):
+    with pytest.raises(ValueError, match=r"scale: expected a positive finite number \(Python or NumPy\) or None"):
+        call("kda", kw=dict(scale=scale))
+
+
+def test_numpy_scales_are_numbers():
+    np = pytest.importorskip("numpy")
+    t = {n: x for n, x in tensors().items() if n != "kw"}
+    want = call("gdn", **t, kw=dict(scale=0.5))[0]
+    for scale in (np.float32(0.5), np.float64(0.5)):
+        assert torch.equal(call("gdn", **t, kw=dict(scale=scale))[0], want)
+
+
+@pytest.mark.parametrize("name, value", [("output_final_state", "False"), ("output_final_state", 0),
+                                         ("use_gate_in_kernel", "no")])
+def test_switches_must_be_bools(name, value):
+    # a string such as "False" is true: it must not switch the final state or the in-kernel gate on
+    with pytest.raises(ValueError, match=f"{name}: expected True or False, got {value!r}"):
+        call("kda", kw={name: value})
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_schedule_of_the_wrong_type_is_refused_on_every_backend(backend):
+    # the torch backend does not read a schedule, but one of the wrong type is a caller's mistake all the same
+    for bad in ("default", 5, {"chunk_size": 64}):
+        with pytest.raises(ValueError, match=f"schedule: expected a rewy_tune.Schedule or None, got "
+                                             f"{type(bad).__name__}"):
+            call("gdn", kw=dict(backend=backend, schedule=bad))
+
+
+def test_float64_on_the_triton_backend_is_refused_at_the_call(monkeypatch):
+    # before: the forward returned and backward() raised, naming an internal argument (erase for beta)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t64 = {n: x.double() for n, x in tensors().items()}
+    with pytest.raises(ValueError, match=r"q, k, v: dtype torch.float64 is not supported by the triton backend; "
+                                         r"accepted: float16, bfloat16, float32 \(float64: backend='torch'\)"):
+        call("deltanet", **t64, kw=dict(backend="triton"))
+    with pytest.raises(ValueError, match=r"beta: dtype torch.float64 is not supported by the triton backend"):
+        call("gdn", beta=tensors()["beta"].double(), kw=dict(backend="triton"))
+    with pytest.raises(ValueError, match=r"^w: dtype torch.float64 is not supported"):
+        call("gdn2", w=tensors()["w"].double(), kw=dict(backend="triton"))
+
+
+def test_auto_on_cuda_keeps_what_triton_cannot_take_on_torch():
+    from rewy_tune.ops import resolve_backend
+
+    cuda = torch.device("cuda")
+    assert resolve_backend("gdn", "auto", cuda, torch.float32, 128, 128) == "triton"
+    assert resolve_backend("gdn", "auto", cuda, torch.float64, 128, 128) == "torch"
+    assert resolve_backend("gdn", "auto", cuda, torch.float32, 257, 128) == "torch"
+    assert resolve_backend("gdn", "auto", cuda, torch.float32, 128, 128, unfit="beta: float64") == "torch"
+    assert resolve_backend("gdn", "torch", cuda, torch.float32, 128, 128) == "torch"
 
 
 def test_mixed_devices():

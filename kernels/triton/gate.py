@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 import triton
@@ -39,17 +40,26 @@ class GateActivation:
         H, K = g.shape[2], g.shape[3]
         if self.A_log is None and self.lower_bound is None:
             raise ValueError("A_log: the softplus gate (no lower_bound) needs A_log [H]")
-        for name, t, n in (("A_log", self.A_log, H), ("dt_bias", self.dt_bias, H * K)):
+        # the shapes FLA's layers pass (A_log [H], dt_bias [H·K]; [H, K] read the same): a tensor with the right
+        # number of elements in another shape, e.g. [K, H], would be read in the wrong order
+        for name, t, shapes in (("A_log", self.A_log, ((H,),)), ("dt_bias", self.dt_bias, ((H * K,), (H, K)))):
             if t is None:
                 continue
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a floating-point tensor, got {type(t).__name__}")
-            if t.numel() != n:
-                raise ValueError(f"{name} must have {n} elements ({'H' if n == H else 'H*K'}), got {t.numel()}")
+            if not t.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+            if tuple(t.shape) not in shapes:
+                want = " or ".join(str(list(s)) for s in shapes)
+                raise ValueError(f"{name} must have shape {want} ({'H' if name == 'A_log' else 'H*K or [H, K]'} "
+                                 f"for g [B, T, H, K] = {list(g.shape)}), got {list(t.shape)}")
             if t.device != g.device:
                 raise ValueError(f"{name} is on {t.device}, g on {g.device}: pass them on one device")
-        if self.lower_bound is not None and not math.isfinite(float(self.lower_bound)):
-            raise ValueError(f"lower_bound must be a finite float or None, got {self.lower_bound!r}")
+        lb = self.lower_bound
+        # L·sigmoid(...) is a log decay only for L < 0 (L > 0 grows the state without bound)
+        if lb is not None and (isinstance(lb, bool) or not isinstance(lb, numbers.Real) or not math.isfinite(lb)
+                               or lb >= 0):
+            raise ValueError(f"lower_bound must be a negative finite number or None, got {lb!r}")
 
 
 @triton.jit

@@ -143,17 +143,43 @@ def test_bad_gate_arguments_are_named():
     beta = torch.zeros(1, 64, 2)
     with pytest.raises(ValueError, match="A_log"):  # the softplus form without A_log
         rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True)
-    with pytest.raises(ValueError, match="dt_bias must have 32 elements"):
+    with pytest.raises(ValueError, match=r"dt_bias must have shape \[32\] or \[2, 16\] \(H\*K or \[H, K\] for g "
+                                         r"\[B, T, H, K\] = \[1, 64, 2, 16\]\), got \[2\]"):
         rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, A_log=torch.zeros(2),
                             dt_bias=torch.zeros(2))
-    with pytest.raises(ValueError, match="A_log must have 2 elements"):
+    # [K, H] has H·K elements but would be read as [H, K]
+    with pytest.raises(ValueError, match=r"dt_bias must have shape .*, got \[16, 2\]"):
+        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, A_log=torch.zeros(2),
+                            dt_bias=torch.zeros(16, 2))
+    with pytest.raises(ValueError, match=r"A_log must have shape \[2\] \(H for g .*\), got \[3\]"):
         rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, A_log=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"A_log must be a floating-point tensor, got dtype torch.int64"):
+        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True,
+                            A_log=torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="use_gate_in_kernel"):  # A_log without the flag would be ignored
         rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", A_log=torch.zeros(2))
-    with pytest.raises(ValueError, match="lower_bound must be a finite"):
-        rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, lower_bound=float("nan"))
+    # L·sigmoid(...) decays only for L < 0: a positive bound grows the state to inf
+    for lb in (float("nan"), 5.0, 0.0, "x", True):
+        with pytest.raises(ValueError, match=f"lower_bound must be a negative finite number or None, got {lb!r}"):
+            rewy_tune.chunk_kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, lower_bound=lb)
     with pytest.raises(ValueError, match="g: the in-kernel gate"):
         gate_backward(torch.zeros(1, 64, 2), GateActivation(torch.zeros(2), None), torch.zeros(1, 64, 2))
+
+
+def test_a_strided_dt_bias_is_read_as_its_shape_says():
+    # the kernels index dt_bias[h·K + k] in memory: an [H, K] view of a [K, H] tensor (checked shape, other strides)
+    # must give what its contiguous copy gives, and its gradient must reach the caller's tensor
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, g, (beta,) = _op_inputs("kda", 1, 64, 2, 16, 16, torch.float32, "cpu", gen)
+    base = torch.randn(16, 2, generator=gen, requires_grad=True)
+    A_log = torch.randn(2, generator=gen)
+    outs = []
+    for dt_bias in (base.t(), base.t().contiguous()):
+        o, _ = rewy_tune.chunk_kda(q, k, v, g, beta, backend="triton", use_gate_in_kernel=True, A_log=A_log,
+                                   dt_bias=dt_bias)
+        outs.append((o, torch.autograd.grad(o.sum(), base)[0]))
+    assert not base.t().is_contiguous()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_gate_grads_and_scalar_gates_are_refused_clearly():
