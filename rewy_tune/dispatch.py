@@ -97,6 +97,11 @@ def lookup(problem: Problem, device: Device | None = None, *, environment: Envir
 
     `environment` (default: the running software) and `db_url` (default: `REWY_DB` or the data directory)
     exist for tests and tools. The reason starts with exact, nearest, same-cc, default or generic."""
+    if not isinstance(problem, Problem):  # (two isinstance checks: ~0.1 µs of the ~1 µs cached lookup)
+        raise TypeError(f"problem: expected a rewy_tune.Problem, got {type(problem).__name__}")
+    if device is not None and not isinstance(device, Device):
+        raise TypeError(f"device: expected a rewy_tune.device.Device or None (the current GPU), got "
+                        f"{type(device).__name__}")
     key = _key(problem, device, environment, db_url)
     hit = _cache.get(key)
     return hit if hit is not None else _fill(key, problem, device, environment, db_url)
@@ -116,6 +121,11 @@ def measured_speedup(problem: Problem, device: Device | None = None, *, environm
 def _fill(key: tuple, problem: Problem, device: Device | None, environment: Environment | None,
           db_url: str | None) -> tuple[Schedule, str]:
     """The miss path of `lookup`: resolve once under the lock; the speedup is stored beside the entry."""
+    from rewy_tune.validation import MAX_HEAD_DIM_TRITON
+
+    if max(problem.K, problem.V) > MAX_HEAD_DIM_TRITON:  # a Problem may describe it; no schedule runs it
+        raise ValueError(f"problem: K={problem.K}, V={problem.V}: schedules exist for K, V <= {MAX_HEAD_DIM_TRITON} "
+                         "(the Triton backward's limit; larger heads run on backend='torch')")
     with _lock:
         hit = _cache.get(key)
         if hit is None:

@@ -201,3 +201,16 @@ def test_measured_speedup_of_the_chosen_winner(tmp_path):
     assert dispatch.measured_speedup(problem(op="kda"), H200, environment=RUN, db_url=url) == pytest.approx(0.5)
     assert dispatch.measured_speedup(problem(op="deltanet"), H200, environment=RUN, db_url=url) is None  # default
     assert lookup(problem(op="kda"), H200, environment=RUN, db_url=url)[0] == S2
+
+
+def test_bad_arguments_are_named():
+    # a dict or a device string failed with AttributeError deep in the key; K over the kernels' limit failed inside
+    # StageConfig naming block_k
+    with pytest.raises(TypeError, match="problem: expected a rewy_tune.Problem, got dict"):
+        lookup({"op": "gdn", "T": 2048})
+    with pytest.raises(TypeError, match=r"device: expected a rewy_tune.device.Device or None \(the current GPU\), "
+                                        r"got str"):
+        lookup(problem(), "cuda")
+    big = Problem("gdn", "R", "bf16", B=1, T=2048, H=16, K=1000, V=64)
+    with pytest.raises(ValueError, match=r"problem: K=1000, V=64: schedules exist for K, V <= 256"):
+        lookup(big, H200, environment=RUN)
