@@ -183,6 +183,8 @@ def activation_plan(op: str, arguments: dict, extra: dict) -> tuple[Activations 
                 return None, f"{name} is not a tensor"
         if lower_bound is not None and not isinstance(lower_bound, (int, float)):
             return None, f"lower_bound={lower_bound!r} is not a number"
+        if lower_bound is not None and not lower_bound < 0:  # the op refuses it; FLA computes what it computes
+            return None, f"lower_bound={lower_bound!r} is not negative (the routed gate takes L < 0)"
     else:  # FLA ignores them without the in-kernel gate
         A_log = dt_bias = lower_bound = None
     acts = Activations(

@@ -281,6 +281,7 @@ def test_unhandled_calls_fall_back_with_their_reason(admitted):
     assert stand_ins["kda"](**data, **dict(kda, initial_state=x["initial_state"].transpose(-1, -2))) == ("fla", "kda")
     assert stand_ins["kda"](**data, **dict(kda, initial_state=x["initial_state"].bfloat16())) == ("fla", "kda")
     assert stand_ins["kda"](**data, **dict(kda, dt_bias=x["dt_bias"].reshape(K, H))) == ("fla", "kda")
+    assert stand_ins["kda"](**data, **dict(kda, lower_bound=5.0)) == ("fla", "kda")
     gva = dict(data, v=torch.cat([x["v"], x["v"]], 2), g=torch.cat([x["g"], x["g"]], 2),
                beta=torch.cat([x["beta"], x["beta"]], 2))
     assert stand_ins["kda"](**gva, **dict(kda, initial_state=None)) == ("fla", "kda")
@@ -292,7 +293,7 @@ def test_unhandled_calls_fall_back_with_their_reason(admitted):
     h0 = x["initial_state"].transpose(-1, -2).contiguous()  # [B, H, K, V] (x is the V-first KDA case)
     assert stand_ins["deltanet"](**bf, use_qk_l2norm_in_kernel=True, initial_state=h0,
                                  output_final_state=True) == ("fla", "deltanet")
-    assert len(calls) == 13
+    assert len(calls) == 14
     rep = rewy_tune.report()
     assert rep["routed_calls"] == 0
     got = {(d["op"], d["reason"]): d["calls"] for d in rep["fallbacks"]}
@@ -305,6 +306,7 @@ def test_unhandled_calls_fall_back_with_their_reason(admitted):
         ("kda", "initial_state is not [B, H, V, K] (state_v_first)"): 1,
         ("kda", "initial_state dtype bfloat16 (FLA requires float32)"): 1,
         ("kda", f"dt_bias shape [{K}, {H}] (the routed gate takes [{H * K}] or [{H}, {K}])"): 1,
+        ("kda", "lower_bound=5.0 is not negative (the routed gate takes L < 0)"): 1,
         ("kda", "GVA (v heads 4 != q heads 2)"): 1,
         ("gdn", "in-kernel gate without A_log (FLA rejects it)"): 1,
         ("gdn", "deprecated transpose_state_layout (use state_v_first)"): 1,
