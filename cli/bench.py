@@ -27,6 +27,8 @@ def parse_shapes(text: list[str] | None) -> list[tuple[int, int, int]]:
             if min(B, T, H) <= 0:
                 raise ValueError(f"--shapes: {part!r} must have positive B, T and H")
             shapes.append((B, T, H))
+    if not shapes:  # --shapes "": an empty list would run nothing (and a campaign still create its database)
+        raise ValueError("--shapes: no shape given; accepted: B,T,H (three positive integers, e.g. 1,2048,16)")
     return shapes
 
 

@@ -7,6 +7,7 @@ one line and exits with code 2, having written nothing.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -40,9 +41,11 @@ def load_workload(path: str) -> dict:
     """{"shapes": [[B,T,H], ...], "K": 128, "V": 128, "dtype": "bf16"} (K, V, dtype optional)."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise BadInput(f"--workload {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"--workload {path}: not UTF-8 text (byte {exc.start}); expected a JSON file") from None
     except json.JSONDecodeError as exc:
         raise BadInput(f"--workload {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     if isinstance(data, list):
@@ -117,6 +120,11 @@ def build_config(*, device: str, op: str, policy: str, shapes, workload, head_di
 
         if workers > torch.cuda.device_count():
             raise BadInput(f"--workers {workers}: only {torch.cuda.device_count()} GPU(s) present (one worker per GPU)")
+    # a trial must at least start its request in a worker: below a second every trial times out
+    if trial_timeout is not None and not (math.isfinite(trial_timeout) and trial_timeout >= 1):
+        raise BadInput(f"--trial-timeout must be a number of seconds >= 1, got {trial_timeout}")
+    if seed is not None and not 0 <= seed < 2**32:  # Optuna's samplers take 0 .. 2**32 - 1
+        raise BadInput(f"--seed must be in [0, {2**32 - 1}], got {seed}")
     if compile_jobs is None:  # GPU: half the cores per worker compile ahead, at most 8; the interpreter: 1
         compile_jobs = 1 if dev.is_cpu else max(1, min(8, (os.cpu_count() or 2) // (2 * workers)))
     elif compile_jobs < 1:
@@ -127,7 +135,7 @@ def build_config(*, device: str, op: str, policy: str, shapes, workload, head_di
         policies=["R", "A"] if policy == "both" else [policy], shapes=shape_list, K=K, V=V, dtype=dtype,
         trials=trials, time_budget_s=budget_s, db_url=as_db_url(db) if db else default_db_url(),
         storage_url=storage, workers=workers, resume=resume, compile_jobs=compile_jobs, share_trials=share_trials,
-        trial_timeout_s=trial_timeout if trial_timeout else (120.0 if dev.is_cpu else 300.0), seed=seed)
+        trial_timeout_s=trial_timeout if trial_timeout is not None else (120.0 if dev.is_cpu else 300.0), seed=seed)
 
 
 def _fmt_s(s: float | None) -> str:
@@ -281,11 +289,16 @@ def trials(console: Console, db: str | None, campaign_id: int) -> None:
 def export(console: Console, db: str | None, file: str, device: str | None, op: str | None) -> None:
     from rewy_tune.db import exchange
 
+    if op is not None and op not in OP_CHOICES[:-1]:
+        fail(console, f"--op: unknown operator {op!r}; accepted: {', '.join(OP_CHOICES[:-1])}")
     database = _open_read(db, console)
     with database.session() as s:
         data = exchange.export_winners(s, device=device, op=op)
     database.close()
-    Path(file).write_text(json.dumps(data, indent=1, default=str))
+    try:
+        Path(file).write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    except OSError as exc:
+        fail(console, f"{file}: cannot write it ({exc.strerror})")
     console.print(f"exported {len(data['winners'])} winner(s) to {file}")
 
 
@@ -293,9 +306,11 @@ def import_(console: Console, db: str | None, file: str, replace: bool) -> None:
     from rewy_tune.db import DatabaseError, exchange, open_db
 
     try:
-        data = json.loads(Path(file).read_text())
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
     except OSError as exc:
         fail(console, f"{file}: cannot read it ({exc.strerror})")
+    except UnicodeDecodeError as exc:
+        fail(console, f"{file}: not UTF-8 text (byte {exc.start}); expected a JSON file written by export")
     except json.JSONDecodeError as exc:
         fail(console, f"{file}: not JSON ({exc.msg} at line {exc.lineno})")
     try:

@@ -8,6 +8,7 @@ before writing anything and names the offending field when it rejects one.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from datetime import datetime
 from typing import Any
 
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from rewy_tune.device import Device, Environment
 from rewy_tune.problem import Bucket
+from rewy_tune.schedule import Schedule
 
 from .models import CampaignRow, WinnerRow, utcnow
 from .queries import WinnerExistsError, _put_winner, device_of, environment_of, record_environment, winners
@@ -23,6 +25,7 @@ from .queries import WinnerExistsError, _put_winner, device_of, environment_of, 
 FORMAT = "rewy-tune-winners"
 FORMAT_VERSION = 1
 _BUCKET_FIELDS = ("op", "policy", "dtype", "K", "V", "t_bucket", "bh_bucket")
+MAX_HEAD_DIM = 256  # the Triton kernels' limit on K and V (rewy_tune/validation.py MAX_HEAD_DIM_TRITON)
 _CAMPAIGN_FIELDS = ("id", "op", "policies", "workload", "budget", "started_at", "finished_at", "status", "study_name")
 
 
@@ -169,9 +172,23 @@ def _parse_entry(entry: Any, path: str) -> tuple[Device, Environment, Bucket, di
         if isinstance(exc, ImportFormatError):
             raise
         raise _fail(path, str(exc)) from None
+    for name in ("K", "V"):
+        if getattr(bucket, name) > MAX_HEAD_DIM:
+            raise _fail(f"{path}.{name}", f"{getattr(bucket, name)} is not supported; accepted: 1 to {MAX_HEAD_DIM}")
+    # what the dispatcher reads (dispatch._schedule_of): a schedule it would skip is refused here instead
+    schedule = _get(entry, "schedule", dict, path)
+    try:
+        Schedule.from_dict(schedule).validate_for(bucket.K, bucket.V)
+    except (ValueError, TypeError) as exc:
+        raise _fail(f"{path}.schedule", str(exc)) from None
     for name in ("latency_ms", "fla_latency_ms"):
-        if _get(entry, name, (int, float), path) <= 0:
-            raise _fail(f"{path}.{name}", "must be positive")
+        value = _get(entry, name, (int, float), path)
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an integer too large for a float
+            finite = False
+        if not finite or value <= 0:  # NaN and inf would fail the database's checks (or store an inf speedup)
+            raise _fail(f"{path}.{name}", f"expected a positive finite number, got {value!r}")
     device, environment = _parse_machine(entry, path)
     summary = _get(entry, "campaign", dict, path, optional=True)
     if summary is not None:
@@ -183,7 +200,7 @@ def _parse_entry(entry: Any, path: str) -> tuple[Device, Environment, Bucket, di
                    "finished_at": _get_time(summary, "finished_at", cpath),
                    "study_name": _get(summary, "study_name", str, cpath, optional=True)}
     return device, environment, bucket, {
-        "schedule": _get(entry, "schedule", dict, path),
+        "schedule": schedule,
         "latency_ms": entry["latency_ms"], "fla_latency_ms": entry["fla_latency_ms"],
         "created_at": _get_time(entry, "created_at", path), "campaign": summary,
     }

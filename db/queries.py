@@ -98,6 +98,8 @@ def _campaign(session: Session, campaign_id: int) -> CampaignRow:
 
 
 def get_campaign(session: Session, campaign_id: int) -> CampaignRow | None:
+    if not -2**63 <= campaign_id < 2**63:  # no such row; SQLite would raise OverflowError on the bound id
+        return None
     return session.get(CampaignRow, campaign_id)
 
 

@@ -75,18 +75,22 @@ def shape_label(shape) -> str:
 
 
 def parse_duration(text: str | None) -> float | None:
-    """'30m', '90s', '1h30m', '45' (seconds) → seconds; ValueError otherwise."""
-    if text is None or text == "":
+    """'30m', '90s', '1h30m', '45' (seconds) → seconds (positive); None for None; ValueError otherwise."""
+    if text is None:
         return None
     import re
 
     s = text.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", s):
-        return float(s)
-    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", s)
-    if not parts or "".join(n + u for n, u in parts) != s:
-        raise ValueError(f"--time-budget: {text!r} is not a duration such as 30m, 90s or 1h30m")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+        seconds = float(s)
+    else:
+        parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", s)
+        if not parts or "".join(n + u for n, u in parts) != s:
+            raise ValueError(f"--time-budget: {text!r} is not a duration such as 30m, 90s or 1h30m")
+        seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    if seconds <= 0:  # a zero budget would record a campaign that ran no trial
+        raise ValueError(f"--time-budget: {text!r} is not positive; give a duration such as 30m, 90s or 1h30m")
+    return seconds
 
 
 @dataclass

@@ -51,6 +51,8 @@ def test_parse_shapes_accepts_quoted_lists_and_rejects_garbage():
         parse_shapes(["1,512"])
     with pytest.raises(ValueError, match="positive"):
         parse_shapes(["0,512,4"])
+    with pytest.raises(ValueError, match="--shapes: no shape given"):
+        parse_shapes([""])
 
 
 def test_overrides_change_each_operators_own_schedule():

@@ -16,6 +16,7 @@ from rewy_tune.db.errors import DatabaseError
 from rewy_tune.db.models import CampaignRow, TrialRow
 from rewy_tune.device import Device, Environment
 from rewy_tune.problem import Problem
+from rewy_tune.schedule import Schedule
 
 H200 = Device("NVIDIA H200", (9, 0), 132, 150_013_493_248)
 A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0), 108, 85_100_000_000)
@@ -143,8 +144,10 @@ def test_export_import_round_trip(db, tmp_path):
     cid = new_campaign(db)
     cid_a100 = new_campaign(db, device=A100)
     with db.session() as s:
-        queries.promote_winner(s, campaign_id=cid, bucket=BUCKET, schedule={"v": 1}, latency_ms=1, fla_latency_ms=2)
-        queries.promote_winner(s, campaign_id=cid_a100, bucket=BUCKET, schedule={"v": 9},
+        # import reads schedules as the dispatcher does (Schedule.from_dict): real ones, as the tuner stores them
+        queries.promote_winner(s, campaign_id=cid, bucket=BUCKET, schedule=Schedule().to_dict(),
+                               latency_ms=1, fla_latency_ms=2)
+        queries.promote_winner(s, campaign_id=cid_a100, bucket=BUCKET, schedule=Schedule(chunk_size=32).to_dict(),
                                latency_ms=4, fla_latency_ms=5)
         exported = exchange.export_winners(s)
     text_form = json.dumps(exported)  # what `rewy-tune export FILE` writes
@@ -172,6 +175,13 @@ def test_export_import_round_trip(db, tmp_path):
     (lambda d: d["winners"][0]["device"].pop("sm_count"), r"winners\[0\]\.device\.sm_count: missing"),
     (lambda d: d["winners"][0]["environment"].update(triton="9.9"), r"winners\[0\]\.environment\.fingerprint"),
     (lambda d: d["winners"][0]["campaign"].update(started_at="yesterday"), r"campaign\.started_at: not an ISO"),
+    (lambda d: d["winners"][0].update(schedule={"v": 1}), r"winners\[0\]\.schedule: Schedule: unknown field\(s\) \['v'\]"),
+    (lambda d: d["winners"][0].update(schedule={"chunk_size": 7}),
+     r"winners\[0\]\.schedule: Schedule\.chunk_size must be one of \(16, 32, 64\), got 7"),
+    (lambda d: d["winners"][0].update(K=256), r"winners\[0\]\.schedule: .*block_k=128 must cover K=256"),
+    (lambda d: d["winners"][0].update(K=1000), r"winners\[0\]\.K: 1000 is not supported; accepted: 1 to 256"),
+    (lambda d: d["winners"][0].update(latency_ms=float("nan")), r"winners\[0\]\.latency_ms: expected a positive finite"),
+    (lambda d: d["winners"][0].update(fla_latency_ms=float("inf")), r"winners\[0\]\.fla_latency_ms: expected a positive fin"),
 ])
 def test_import_rejects_malformed_files_naming_the_field(db, tmp_path, mutate, field):
     cid = new_campaign(db)
@@ -207,7 +217,9 @@ def test_import_with_a_malformed_later_winner_writes_none(db, tmp_path):
         assert queries.winners(s) == [] and queries.devices(s) == [] and s.query(CampaignRow).count() == 0
     data["winners"][1].update(latency_ms=1.0)
     with fresh.session() as s:
-        assert exchange.import_winners(s, data) == 2  # the same file, mended, imports both
+        # the same file, mended, imports both; schedule {} is accepted: Schedule.from_dict gives every field its
+        # default, a full schedule the dispatcher serves (fields added later read the same way)
+        assert exchange.import_winners(s, data) == 2
     fresh.close()
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -211,12 +212,22 @@ def _safe_trials(db):
     (["--device", "cpu", "--op", "gdn", "--db", "FILE/sub/x.db"], "cannot create the folder of the rewy-tune database"),
     (["--device", "cpu", "--op", "gdn", "--workload", "WL"], "K=500"),
     (["--device", "cpu", "--op", "gdn", "--compile-jobs", "0"], "--compile-jobs must be at least 1"),
+    (["--device", "cpu", "--op", "gdn", "--time-budget", "0"], "--time-budget: '0' is not positive"),
+    (["--device", "cpu", "--op", "gdn", "--time-budget", "0s"], "--time-budget: '0s' is not positive"),
+    (["--device", "cpu", "--op", "gdn", "--shapes", ""], "--shapes: no shape given; accepted: B,T,H"),
+    (["--device", "cpu", "--op", "gdn", "--trial-timeout", "-5"], "--trial-timeout must be a number of seconds >= 1"),
+    (["--device", "cpu", "--op", "gdn", "--trial-timeout", "0"], "--trial-timeout must be a number of seconds >= 1"),
+    (["--device", "cpu", "--op", "gdn", "--trial-timeout", "0.001"], "--trial-timeout must be a number of seconds >= 1"),
+    (["--device", "cpu", "--op", "gdn", "--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+    (["--device", "cpu", "--op", "gdn", "--workload", "LATIN1"], "not UTF-8 text (byte 14); expected a JSON file"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
     wl = tmp_path / "wl.json"
     wl.write_text(json.dumps({"shapes": [[1, 64, 1]], "K": 500, "V": 32}))
     (tmp_path / "file").write_text("")  # a file where --db wants a folder
-    args = [str(wl) if a == "WL" else a.replace("FILE", str(tmp_path / "file")) for a in args]
+    (tmp_path / "latin1.json").write_bytes('{"dtype": "café"}'.encode("latin-1"))
+    args = [str(wl) if a == "WL" else str(tmp_path / "latin1.json") if a == "LATIN1" else
+            a.replace("FILE", str(tmp_path / "file")) for a in args]
     before = set(os.listdir(tmp_path))
     proc = cli(*args, "--db", str(tmp_path / "bad.db"), check=False, timeout=60) if "--db" not in args else \
         cli(*args, check=False, timeout=60)
@@ -224,6 +235,32 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, needle):
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], proc.stdout
     assert set(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["export", "OUT", "--op", "NotAnOp"], "--op: unknown operator 'NotAnOp'; accepted: deltanet, gdn, kda, gdn2"),
+    (["export", "/nonexistent_dir/e.json"], "/nonexistent_dir/e.json: cannot write it (No such file or directory)"),
+    (["export", "DIR"], "cannot write it (Is a directory)"),
+    (["export", "/dev/full"], "/dev/full: cannot write it (No space left on device)"),
+    (["trials", "99999999999999999999999"], "no campaign with id 99999999999999999999999"),
+    (["import", "LATIN1"], "not UTF-8 text (byte 15); expected a JSON file written by export"),
+])
+def test_read_and_exchange_commands_bad_input_one_line_exit_2(tmp_path, args, needle):
+    if "/dev/full" in args and not Path("/dev/full").is_char_device():
+        pytest.skip("this machine has no /dev/full")
+    db = tmp_path / "r.db"
+    open_db(str(db)).close()
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "latin1.json").write_bytes('{"format": "café"}'.encode("latin-1"))
+    subs = {"OUT": str(tmp_path / "out.json"), "DIR": str(tmp_path / "dir"), "LATIN1": str(tmp_path / "latin1.json")}
+    # import must not create its database before the file is read
+    target = tmp_path / "new.db" if args[0] == "import" else db
+    before = set(os.listdir(tmp_path))
+    proc = cli(*[subs.get(a, a) for a in args], "--db", str(target), check=False, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stdout
+    assert set(os.listdir(tmp_path)) - before <= {"r.db-shm", "r.db-wal"}
 
 
 @pytest.mark.slow
