@@ -208,7 +208,7 @@ def run_many(runs, shapes, K: int, V: int, rounds: int, seed: int, jobs: int | N
                 groups.setdefault((sched, shape[2]), []).append(shape)
             tasks += [warmup.WarmTask(op, policy, sched.to_dict(), group, K, V)
                       for (sched, _), group in groups.items()]
-        console.print(f"compiling ahead: {len(tasks)} (operator, policy, head count) tasks in {jobs} processes ...")
+        console.print(f"compiling ahead: {len(tasks)} (operator, policy, schedule, head count) tasks in {jobs} processes ...")
         for r in warmup.warm(tasks, jobs):
             if r.status != "ok":
                 console.print(f"[yellow]warm-up {r.task.op} {r.task.policy} {r.task.shapes}: {r.status}[/yellow] "
