@@ -139,6 +139,35 @@ def bench(
 
 
 @app.command()
+def schedule(
+    op: str = typer.Option(..., help="deltanet, gdn, kda or gdn2"),
+    policy: str = typer.Option("R", help="R or A"),
+    shape: str = typer.Option("1,2048,16", help="B,T,H of the call"),
+    head_dim: int = typer.Option(128, "--head-dim", help="K = V"),
+    dtype: str = typer.Option("bf16", help="the call's dtype: bf16, fp16 or fp32"),
+    cc: Optional[str] = typer.Option(None, "--cc", help="a compute capability such as 9.0: its built-in default, no database read"),
+    db: Optional[str] = typer.Option(None, help="database URL or SQLite path (default: REWY_DB or the data dir)"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the schedule to this file (for bench --schedule FILE)"),
+) -> None:
+    """The schedule a call of this shape runs on this machine (the dispatcher's pick and why), as JSON."""
+    from rewy_tune.cli.bench import parse_shapes
+    from rewy_tune.cli.schedule import pick, show_schedule
+    from rewy_tune.db.engine import as_db_url
+
+    try:
+        try:
+            shapes = parse_shapes([shape])
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--shapes:", "--shape:", 1)) from None
+        if len(shapes) != 1:
+            raise ValueError(f"--shape: give one B,T,H, got {shape!r}")
+        chosen, reason = pick(op, policy, shapes[0], head_dim, head_dim, dtype, cc, as_db_url(db) if db else None)
+        show_schedule(console, chosen, reason, json_out)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+@app.command()
 def show(
     device: Optional[str] = typer.Option(None, help="device short name (h200, cpu, ...)"),
     op: Optional[str] = typer.Option(None, help="deltanet, gdn, kda or gdn2"),
