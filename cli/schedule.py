@@ -27,7 +27,6 @@ def pick(op: str, policy: str, shape: tuple[int, int, int], K: int, V: int, dtyp
     from rewy_tune.dispatch import lookup
     from rewy_tune.problem import Problem
     from rewy_tune.search_spaces import default_schedule
-
     from rewy_tune.validation import MAX_HEAD_DIM_TRITON
 
     try:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from rewy_tune.device import Device, Environment
 from rewy_tune.problem import Bucket
 from rewy_tune.schedule import Schedule
+from rewy_tune.validation import MAX_HEAD_DIM_TRITON
 
 from .models import CampaignRow, WinnerRow, utcnow
 from .queries import WinnerExistsError, _put_winner, device_of, environment_of, record_environment, winners
@@ -25,7 +26,6 @@ from .queries import WinnerExistsError, _put_winner, device_of, environment_of, 
 FORMAT = "rewy-tune-winners"
 FORMAT_VERSION = 1
 _BUCKET_FIELDS = ("op", "policy", "dtype", "K", "V", "t_bucket", "bh_bucket")
-MAX_HEAD_DIM = 256  # the Triton kernels' limit on K and V (rewy_tune/validation.py MAX_HEAD_DIM_TRITON)
 _CAMPAIGN_FIELDS = ("id", "op", "policies", "workload", "budget", "started_at", "finished_at", "status", "study_name")
 
 
@@ -173,8 +173,9 @@ def _parse_entry(entry: Any, path: str) -> tuple[Device, Environment, Bucket, di
             raise
         raise _fail(path, str(exc)) from None
     for name in ("K", "V"):
-        if getattr(bucket, name) > MAX_HEAD_DIM:
-            raise _fail(f"{path}.{name}", f"{getattr(bucket, name)} is not supported; accepted: 1 to {MAX_HEAD_DIM}")
+        if getattr(bucket, name) > MAX_HEAD_DIM_TRITON:
+            raise _fail(f"{path}.{name}",
+                        f"{getattr(bucket, name)} is not supported; accepted: 1 to {MAX_HEAD_DIM_TRITON}")
     # what the dispatcher reads (dispatch._schedule_of): a schedule it would skip is refused here instead
     schedule = _get(entry, "schedule", dict, path)
     try:

@@ -304,7 +304,9 @@ def _plan(op: str, arguments: dict, extra: dict) -> tuple[Activations | None, st
             if t is not None and t.numel() != want[name]:
                 return None, f"{name} has {t.numel()} elements (FLA expects {want[name]})"
         # KDA/GDN2's gate runs inside our op, which takes the shapes FLA's layers pass (`GateActivation.check`)
-        shapes = {"A_log": ((H,),), "dt_bias": ((H * K,), (H, K))}
+        from rewy_tune.kernels.triton.gate import param_shapes
+
+        shapes = param_shapes(H, K)
         for name, t in (("A_log", acts.A_log), ("dt_bias", acts.dt_bias)):
             if op != "gdn" and t is not None and tuple(t.shape) not in shapes[name]:
                 return None, f"{name} shape {list(t.shape)} (the routed gate takes " + \

@@ -102,7 +102,9 @@ def _apply(op, q, k, v, g, erase, write, *, scale, initial_state, output_final_s
         raise ValueError(f"schedule: expected a rewy_tune.Schedule or None, got {type(schedule).__name__}")
     gate = _gate_activation(*gate_args, g)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    unfit = triton_unsupported(q.shape[-1], v.shape[-1], q.dtype, zip(names, (g, erase, write)))
+    # (backend "triton" had this check in validate_inputs; "auto" reads it to stay on torch)
+    unfit = triton_unsupported(q.shape[-1], v.shape[-1], q.dtype, zip(names, (g, erase, write))) \
+        if backend == "auto" else None
     chosen = resolve_backend(op, backend, q.device, q.dtype, q.shape[-1], v.shape[-1], unfit=unfit)
     if chosen == "torch":
         from rewy_tune.kernels.reference.function import RewyTorchFunction

@@ -24,6 +24,13 @@ from .recompute import validate_launch
 GATE_BLOCK_T = 32  # token rows per gate_backward program
 
 
+def param_shapes(H: int, K: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """The shapes of A_log and dt_bias the in-kernel gate takes for a vector gate [B, T, H, K]: those FLA's layers
+    pass (A_log [H], dt_bias [H·K]; [H, K] reads the same). A tensor with the right number of elements in another
+    shape, e.g. [K, H], would be read in the wrong order."""
+    return {"A_log": ((H,),), "dt_bias": ((H * K,), (H, K))}
+
+
 @dataclasses.dataclass(frozen=True)
 class GateActivation:
     """``A_log`` [H] (optional with a lower bound), ``dt_bias`` [H·K] or None, ``lower_bound`` a float or None
@@ -40,9 +47,9 @@ class GateActivation:
         H, K = g.shape[2], g.shape[3]
         if self.A_log is None and self.lower_bound is None:
             raise ValueError("A_log: the softplus gate (no lower_bound) needs A_log [H]")
-        # the shapes FLA's layers pass (A_log [H], dt_bias [H·K]; [H, K] read the same): a tensor with the right
-        # number of elements in another shape, e.g. [K, H], would be read in the wrong order
-        for name, t, shapes in (("A_log", self.A_log, ((H,),)), ("dt_bias", self.dt_bias, ((H * K,), (H, K)))):
+        accepted = param_shapes(H, K)
+        for name, t in (("A_log", self.A_log), ("dt_bias", self.dt_bias)):
+            shapes = accepted[name]
             if t is None:
                 continue
             if not isinstance(t, torch.Tensor):

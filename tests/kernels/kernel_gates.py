@@ -1,5 +1,7 @@
 """Gate assertions shared by the Triton kernel tests: the project thresholds of rewy_tune.gates, per tensor."""
 
+import os
+
 import torch
 
 from rewy_tune.gates import GATE_RTOL as GATE
@@ -12,7 +14,13 @@ GATE_LIKE = ("dg", "d_erase", "d_write")
 INTERPRETER_BF16_FACTOR = 2
 NAMES = ("dq", "dk", "dv", "dg", "d_erase", "d_write", "dh0")
 
-__all__ = ["GATE", "ORDINARY", "GATE_LIKE", "INTERPRETER_BF16_FACTOR", "NAMES", "rel_rms", "assert_gates", "assert_same_bits"]
+__all__ = ["GATE", "ORDINARY", "GATE_LIKE", "INTERPRETER_BF16_FACTOR", "NAMES", "bf16_gate_factor", "rel_rms",
+           "assert_gates", "assert_same_bits"]
+
+
+def bf16_gate_factor() -> int:
+    """The `factor` of `assert_gates` for bf16 results: INTERPRETER_BF16_FACTOR on the interpreter, 1 on a GPU."""
+    return INTERPRETER_BF16_FACTOR if os.environ.get("TRITON_INTERPRET") == "1" else 1
 
 
 def rel_rms(a, b):

@@ -30,7 +30,7 @@ from rewy_tune.kernels.triton.vector_local import (
 from rewy_tune.schedule import Schedule, StageConfig
 
 from cuda_graphs import capture
-from kernel_gates import GATE, INTERPRETER_BF16_FACTOR, NAMES, ORDINARY, assert_gates, assert_same_bits, rel_rms
+from kernel_gates import GATE, NAMES, ORDINARY, assert_gates, assert_same_bits, bf16_gate_factor, rel_rms
 from launch_spy import spy_kernel_launches
 from stand_in_streams import stand_in_streams
 
@@ -1169,8 +1169,7 @@ def test_bf16_inputs_run(op):
     out = run_triton(x, BASE)
     assert out["dq"].dtype == torch.bfloat16 and out["dg"].dtype == torch.float32 and out["dh0"].dtype == torch.float32
     assert out["d_erase"].dtype == torch.bfloat16
-    factor = INTERPRETER_BF16_FACTOR if os.environ.get("TRITON_INTERPRET") == "1" else 1
-    assert_gates(out, oracle(x), ctx=f"{op} bf16", factor=factor)
+    assert_gates(out, oracle(x), ctx=f"{op} bf16", factor=bf16_gate_factor())
 
 
 def test_bad_inputs():
