@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rewy_tune import autotune_parts, measure
+from rewy_tune.cli.files import write_text_atomic
 
 
 def parse_shapes(text: list[str] | None) -> list[tuple[int, int, int]]:
@@ -186,7 +187,7 @@ def json_path(json_out: str, op: str, policy: str, many: bool) -> str:
 
 
 def write_json(path: str, data: dict) -> None:
-    Path(path).write_text(json.dumps(data, indent=1))
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def run_many(runs, shapes, K: int, V: int, rounds: int, seed: int, jobs: int | None, json_out: str | None,
@@ -229,7 +230,12 @@ def run_many(runs, shapes, K: int, V: int, rounds: int, seed: int, jobs: int | N
         summary.append((op, policy, data["geomean_speedup"]))
         if json_out:
             path = json_path(json_out, op, policy, many)
-            write_json(path, data)
+            try:
+                write_json(path, data)
+            except OSError as exc:  # the numbers are printed above; the other runs still go on
+                failed += 1
+                console.print(f"[red]--json {path}: cannot write it ({exc.strerror})[/red]", soft_wrap=True)
+                continue
             console.print(f"wrote {path}")
     if many:
         table = Table(title="geometric mean FLA/ours, complete backward")

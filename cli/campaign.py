@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from rewy_tune.cli.files import write_text_atomic
+
 OP_CHOICES = ("deltanet", "gdn", "kda", "gdn2", "all")
 MAX_HEAD_DIM = 256
 
@@ -296,7 +298,7 @@ def export(console: Console, db: str | None, file: str, device: str | None, op: 
         data = exchange.export_winners(s, device=device, op=op)
     database.close()
     try:
-        Path(file).write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+        write_text_atomic(file, json.dumps(data, indent=1, default=str))
     except OSError as exc:
         fail(console, f"{file}: cannot write it ({exc.strerror})")
     console.print(f"exported {len(data['winners'])} winner(s) to {file}")

@@ -4,9 +4,10 @@ compute capability's built-in default, as JSON that `rewy-tune bench --schedule 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from rich.console import Console
+
+from rewy_tune.cli.files import write_text_atomic
 
 
 def parse_cc(text: str) -> tuple[int, int]:
@@ -53,7 +54,7 @@ def show_schedule(console: Console, schedule, reason: str, out: str | None) -> N
         print(text)
         return
     try:
-        Path(out).write_text(text + "\n", encoding="utf-8")
+        write_text_atomic(out, text + "\n")
     except OSError as exc:
         raise ValueError(f"--json {out}: cannot write it ({exc.strerror})") from None
     console.print(f"wrote {out}")

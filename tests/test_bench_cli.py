@@ -173,10 +173,13 @@ def test_bench_many_runs_compiles_ahead_then_writes_one_json_each(tmp_path, monk
 
     monkeypatch.setattr(bench_mod, "run_bench", fake_run_bench)
     out = tmp_path / "out"
+    (out / "bench-gdn-R.json").mkdir(parents=True)  # one file that cannot be written: reported, the rest go on
     res = CliRunner().invoke(app, ["bench", "--op", "all", "--policy", "both", "--shapes", "1,512,4 1,2048,4 1,2048,16",
                                    "--head-dim", "64", "--jobs", "3", "--json", str(out)])
     assert res.exit_code == 1, res.output  # kda failed, the others ran
     assert "kda policy R failed" in res.output and "compiled ahead" in res.output
+    assert "bench-gdn-R.json: cannot write it (Is a directory)" in " ".join(res.output.split())
+    assert (out / "bench-gdn-R.json").is_dir() and "wrote" in res.output
     assert len(warmed) == 4 * 2 * 2 and {len(t.shapes) for t in warmed} == {1, 2}
     written = sorted(p.name for p in out.iterdir())
     assert written == sorted(f"bench-{o}-{p}.json" for o in ("deltanet", "gdn", "gdn2") for p in ("R", "A"))
