@@ -195,12 +195,18 @@ def compile_sm90(kernel, sig: dict, consts: dict, attrs: dict, opts: dict):
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+_DUMPED: dict[str, int] = {}
+
+
 def _dump(env: str, name: str, opts: dict, ext: str, text) -> None:
-    """Write text() to DIR/NAME-wW-sS.EXT where the environment variable env names DIR."""
+    """Write text() to DIR/NAME-wW-sS.EXT where the environment variable env names DIR; the second and later
+    launches of a kernel at the same warps and stages (other constexprs: a split scan's two phases) get -2, -3, ..."""
     folder = os.environ.get(env)
     if folder:
         os.makedirs(folder, exist_ok=True)  # a new folder name is the usual case, not an error
-        path = os.path.join(folder, f"{name}-w{opts.get('num_warps')}-s{opts.get('num_stages')}.{ext}")
+        stem = f"{name}-w{opts.get('num_warps')}-s{opts.get('num_stages')}"
+        _DUMPED[stem + ext] = n = _DUMPED.get(stem + ext, 0) + 1
+        path = os.path.join(folder, f"{stem}{'' if n == 1 else f'-{n}'}.{ext}")
         with open(path, "w") as f:
             f.write(text())
         print(f"   written to {path}")

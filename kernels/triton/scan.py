@@ -126,6 +126,45 @@ def _state_block_store(p, b, cols, m_col, ld: tl.constexpr, i_kb: tl.constexpr, 
 
 
 @triton.jit
+def _state_blocks_init(h_in, off, cols, is_bias, K: tl.constexpr, V: tl.constexpr, VP: tl.constexpr,
+                       KB: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, PHASE: tl.constexpr,
+                       USE_IN: tl.constexpr):
+    # _state_block_init for each of the NB blocks; blocks past NB repeat the first and are never read
+    b0 = _state_block_init(h_in, off, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_IN)
+    b1, b2, b3 = b0, b0, b0
+    if NB > 1:
+        b1 = _state_block_init(h_in, off, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_IN)
+    if NB > 2:
+        b2 = _state_block_init(h_in, off, cols, is_bias, 2, K, V, VP, KB, BV, PHASE, USE_IN)
+    if NB > 3:
+        b3 = _state_block_init(h_in, off, cols, is_bias, 3, K, V, VP, KB, BV, PHASE, USE_IN)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _state_blocks_store(p, b0, b1, b2, b3, cols, m_col, ld: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                        NB: tl.constexpr):
+    # the state's first NB blocks to p (row stride ld)
+    _state_block_store(p, b0, cols, m_col, ld, 0, K, KB)
+    if NB > 1:
+        _state_block_store(p, b1, cols, m_col, ld, 1, K, KB)
+    if NB > 2:
+        _state_block_store(p, b2, cols, m_col, ld, 2, K, KB)
+    if NB > 3:
+        _state_block_store(p, b3, cols, m_col, ld, 3, K, KB)
+
+
+@triton.jit
+def _transfer_store(X, i_bh, i_s, b0, b1, b2, b3, cols, is_bias, K: tl.constexpr, VP: tl.constexpr, NS: tl.constexpr,
+                    KB: tl.constexpr, NB: tl.constexpr):
+    # PHASE 1's output: segment i_s's end state [K, VP + K] (its bias columns, then the identity's image) in X[bh, s]
+    XW: tl.constexpr = VP + K
+    id_col = cols - VP
+    m_x = is_bias | ((cols >= VP) & (id_col < K))
+    _state_blocks_store(X + (i_bh * NS + i_s) * K * XW, b0, b1, b2, b3, cols, m_x, XW, K, KB, NB)
+
+
+@triton.jit
 def _last_gate_row(G, tok_last, i_kb: tl.constexpr, K: tl.constexpr, KB: tl.constexpr):
     # the chunk's last gate row G_n at state rows [i_kb·KB, i_kb·KB + KB), fp32
     o_k = i_kb * KB + tl.arange(0, KB)
@@ -302,13 +341,7 @@ def rewy_fwd_scan_kernel(
     is_bias = cols < V
     dt = k.dtype.element_ty
     p_in = (i_bh * NS + i_s) * K * V
-    b_s0 = _state_block_init(h_in, p_in, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_H_IN)
-    if NB > 1:
-        b_s1 = _state_block_init(h_in, p_in, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_H_IN)
-    if NB > 2:
-        b_s2 = _state_block_init(h_in, p_in, cols, is_bias, 2, K, V, VP, KB, BV, PHASE, USE_H_IN)
-    if NB > 3:
-        b_s3 = _state_block_init(h_in, p_in, cols, is_bias, 3, K, V, VP, KB, BV, PHASE, USE_H_IN)
+    b_s0, b_s1, b_s2, b_s3 = _state_blocks_init(h_in, p_in, cols, is_bias, K, V, VP, KB, NB, BV, PHASE, USE_H_IN)
 
     c0 = i_s * CPS
     c1 = tl.minimum(c0 + CPS, NT)
@@ -320,13 +353,7 @@ def rewy_fwd_scan_kernel(
         tok_last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
         if PHASE == 0:
             p_h = Hs + ((i_b * NT + i_t) * H + i_h) * K * V
-            _state_block_store(p_h, b_s0, cols, is_bias, V, 0, K, KB)
-            if NB > 1:
-                _state_block_store(p_h, b_s1, cols, is_bias, V, 1, K, KB)
-            if NB > 2:
-                _state_block_store(p_h, b_s2, cols, is_bias, V, 2, K, KB)
-            if NB > 3:
-                _state_block_store(p_h, b_s3, cols, is_bias, V, 3, K, KB)
+            _state_blocks_store(p_h, b_s0, b_s1, b_s2, b_s3, cols, is_bias, V, K, KB, NB)
         m_rv = m_row[:, None] & is_bias[None, :]
         # R = U − W S0, one [BT, KB] × [KB, BV] product per state block, accumulated in fp32. U is added after the
         # products, not passed as their accumulator: the products then start without waiting for U's load, which
@@ -367,17 +394,7 @@ def rewy_fwd_scan_kernel(
                                      EARLY_GN)
 
     if PHASE == 1:
-        XW: tl.constexpr = VP + K
-        id_col = cols - VP
-        m_x = is_bias | ((cols >= VP) & (id_col < K))
-        p_x = X + (i_bh * NS + i_s) * K * XW
-        _state_block_store(p_x, b_s0, cols, m_x, XW, 0, K, KB)
-        if NB > 1:
-            _state_block_store(p_x, b_s1, cols, m_x, XW, 1, K, KB)
-        if NB > 2:
-            _state_block_store(p_x, b_s2, cols, m_x, XW, 2, K, KB)
-        if NB > 3:
-            _state_block_store(p_x, b_s3, cols, m_x, XW, 3, K, KB)
+        _transfer_store(X, i_bh, i_s, b_s0, b_s1, b_s2, b_s3, cols, is_bias, K, VP, NS, KB, NB)
 
 
 @triton.jit
@@ -502,13 +519,7 @@ def rewy_bwd_scan_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     i_bh, i_b, i_h, i_s, cols, is_bias, p_in = _reverse_scan_program(SEG_OFFSET, H, NS, K, V, BV, CARRY, IN_CARRY)
     dt = k.dtype.element_ty
-    b_d0 = _state_block_init(dh_in, p_in, cols, is_bias, 0, K, V, VP, KB, BV, PHASE, USE_DH_IN)
-    if NB > 1:
-        b_d1 = _state_block_init(dh_in, p_in, cols, is_bias, 1, K, V, VP, KB, BV, PHASE, USE_DH_IN)
-    if NB > 2:
-        b_d2 = _state_block_init(dh_in, p_in, cols, is_bias, 2, K, V, VP, KB, BV, PHASE, USE_DH_IN)
-    if NB > 3:
-        b_d3 = _state_block_init(dh_in, p_in, cols, is_bias, 3, K, V, VP, KB, BV, PHASE, USE_DH_IN)
+    b_d0, b_d1, b_d2, b_d3 = _state_blocks_init(dh_in, p_in, cols, is_bias, K, V, VP, KB, NB, BV, PHASE, USE_DH_IN)
 
     c0 = i_s * CPS
     c1 = tl.minimum(c0 + CPS, NT)
@@ -610,35 +621,13 @@ def rewy_bwd_scan_kernel(
         if CARRY:
             if i_s > 0:  # fp32 as the registers hold it: the ranges give the unsplit scan's bits
                 p_c = carry + (i_bh * 2 + (i_s - 1) % 2) * K * V
-                _state_block_store(p_c, b_d0, cols, is_bias, V, 0, K, KB)
-                if NB > 1:
-                    _state_block_store(p_c, b_d1, cols, is_bias, V, 1, K, KB)
-                if NB > 2:
-                    _state_block_store(p_c, b_d2, cols, is_bias, V, 2, K, KB)
-                if NB > 3:
-                    _state_block_store(p_c, b_d3, cols, is_bias, V, 3, K, KB)
+                _state_blocks_store(p_c, b_d0, b_d1, b_d2, b_d3, cols, is_bias, V, K, KB, NB)
         if STORE_DH0:
             if i_s == 0:
                 p_0 = dh0 + i_bh * K * V
-                _state_block_store(p_0, b_d0, cols, is_bias, V, 0, K, KB)
-                if NB > 1:
-                    _state_block_store(p_0, b_d1, cols, is_bias, V, 1, K, KB)
-                if NB > 2:
-                    _state_block_store(p_0, b_d2, cols, is_bias, V, 2, K, KB)
-                if NB > 3:
-                    _state_block_store(p_0, b_d3, cols, is_bias, V, 3, K, KB)
+                _state_blocks_store(p_0, b_d0, b_d1, b_d2, b_d3, cols, is_bias, V, K, KB, NB)
     else:
-        XW: tl.constexpr = VP + K
-        id_col = cols - VP
-        m_x = is_bias | ((cols >= VP) & (id_col < K))
-        p_x = X + (i_bh * NS + i_s) * K * XW
-        _state_block_store(p_x, b_d0, cols, m_x, XW, 0, K, KB)
-        if NB > 1:
-            _state_block_store(p_x, b_d1, cols, m_x, XW, 1, K, KB)
-        if NB > 2:
-            _state_block_store(p_x, b_d2, cols, m_x, XW, 2, K, KB)
-        if NB > 3:
-            _state_block_store(p_x, b_d3, cols, m_x, XW, 3, K, KB)
+        _transfer_store(X, i_bh, i_s, b_d0, b_d1, b_d2, b_d3, cols, is_bias, K, VP, NS, KB, NB)
 
 
 # The reverse scan with the state kept transposed, dSᵀ [BV, K] (Schedule.reverse_scan_layout "vk"; scalar or no gate,
@@ -668,6 +657,14 @@ def _vk_block_store(p, b, cols, is_col, i_kb: tl.constexpr, K: tl.constexpr, V: 
     # dSᵀ's columns of block i_kb into a [K, V] state at p
     o_k = i_kb * KB + tl.arange(0, KB)
     tl.store(p + o_k[None, :] * V + cols[:, None], b.to(p.dtype.element_ty), mask=is_col[:, None] & (o_k < K)[None, :])
+
+
+@triton.jit
+def _vk_blocks_store(p, b0, b1, cols, is_col, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr):
+    # the state's first NB (≤ 2) transposed blocks to p [K, V]
+    _vk_block_store(p, b0, cols, is_col, 0, K, V, KB)
+    if NB > 1:
+        _vk_block_store(p, b1, cols, is_col, 1, K, V, KB)
 
 
 @triton.jit
@@ -707,6 +704,7 @@ def rewy_bwd_scan_vk_kernel(
     i_bh, i_b, i_h, i_s, cols, is_col, p_in = _reverse_scan_program(SEG_OFFSET, H, NS, K, V, BV, CARRY, IN_CARRY)
     dt = k.dtype.element_ty
     b_d0 = _vk_block_init(dh_in, p_in, cols, is_col, 0, K, V, KB, BV, USE_DH_IN)
+    b_d1 = b_d0  # never read where NB == 1
     if NB > 1:
         b_d1 = _vk_block_init(dh_in, p_in, cols, is_col, 1, K, V, KB, BV, USE_DH_IN)
 
@@ -716,9 +714,7 @@ def rewy_bwd_scan_vk_kernel(
         i_t = c1 - 1 - i_r
         m_row, tok = _reverse_chunk_rows(i_t, i_b, i_h, T, H, BT)
         p_d = dS1 + ((i_b * NT + i_t) * H + i_h) * K * V
-        _vk_block_store(p_d, b_d0, cols, is_col, 0, K, V, KB)
-        if NB > 1:
-            _vk_block_store(p_d, b_d1, cols, is_col, 1, K, V, KB)
+        _vk_blocks_store(p_d, b_d0, b_d1, cols, is_col, K, V, KB, NB)
         m_vr = is_col[:, None] & m_row[None, :]
         # R̄ᵀ = dv_localᵀ + (K_t dS1)ᵀ
         b_rbt = tl.zeros([BV, BT], dtype=tl.float32)
@@ -748,15 +744,11 @@ def rewy_bwd_scan_vk_kernel(
     if CARRY:
         if i_s > 0:
             p_c = carry + (i_bh * 2 + (i_s - 1) % 2) * K * V
-            _vk_block_store(p_c, b_d0, cols, is_col, 0, K, V, KB)
-            if NB > 1:
-                _vk_block_store(p_c, b_d1, cols, is_col, 1, K, V, KB)
+            _vk_blocks_store(p_c, b_d0, b_d1, cols, is_col, K, V, KB, NB)
     if STORE_DH0:
         if i_s == 0:
             p_0 = dh0 + i_bh * K * V
-            _vk_block_store(p_0, b_d0, cols, is_col, 0, K, V, KB)
-            if NB > 1:
-                _vk_block_store(p_0, b_d1, cols, is_col, 1, K, V, KB)
+            _vk_blocks_store(p_0, b_d0, b_d1, cols, is_col, K, V, KB, NB)
 
 
 @triton.jit
