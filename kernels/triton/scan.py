@@ -536,13 +536,7 @@ def rewy_bwd_scan_kernel(
                 if i_r > 0:
                     _publish(progress + i_bh * NT + i_t + 1, PDL)
             p_d = dS1 + ((i_b * NT + i_t) * H + i_h) * K * V
-            _state_block_store(p_d, b_d0, cols, is_bias, V, 0, K, KB)
-            if NB > 1:
-                _state_block_store(p_d, b_d1, cols, is_bias, V, 1, K, KB)
-            if NB > 2:
-                _state_block_store(p_d, b_d2, cols, is_bias, V, 2, K, KB)
-            if NB > 3:
-                _state_block_store(p_d, b_d3, cols, is_bias, V, 3, K, KB)
+            _state_blocks_store(p_d, b_d0, b_d1, b_d2, b_d3, cols, is_bias, V, K, KB, NB)
         m_rv = m_row[:, None] & is_bias[None, :]
         if HAS_DVL == 3 and not QDO_AHEAD:  # A_qkᵀ first: it reads no state, so its products need not wait for the
             b_at = _qk_transposed(q, k, G, tok, m_row, o_t, scale, K, KB, NB, GATE, PREC)  # chain's
