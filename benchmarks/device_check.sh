@@ -29,7 +29,13 @@
 # BG_STEPS run at the same time as STEPS, on GPU BG_GPU (default 1) of a two-GPU machine, e.g. the GPU tests beside
 # a one-worker campaign on GPU 0. The background steps write under bg/ (OUT and results); BG_SWEEP_OPS gives them
 # their own operator for a sweep (e.g. STEPS=sweep SWEEP_OPS=gdn BG_STEPS=sweep BG_SWEEP_OPS=deltanet).
+# STEPS=none runs no step (e.g. with TCACHE_SAVE=1 alone: return the compile cache of the calls before on this host).
 set -uo pipefail
+# A misspelt step is refused before anything is installed, not found after the install has spent device time.
+known_steps="none $(sed -n 's/^step_\([a-z]*\)() {.*/\1/p' "$0" | tr '\n' ' ')"
+for s in ${STEPS:-tests bench} ${BG_STEPS:-}; do
+  case " $known_steps" in *" $s "*) ;; *) echo "STEPS/BG_STEPS: unknown step '$s'; accepted: $known_steps"; exit 2 ;; esac
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
 # PYTHONSAFEPATH: the checkout's rewy_tune/ folder must not shadow the installed namespace, in any
 # process (pytest-xdist workers and trial workers included).
@@ -163,10 +169,10 @@ bg=
 if [ -n "${BG_STEPS:-}" ]; then
   ( export CUDA_VISIBLE_DEVICES="${BG_GPU:-1}" SWEEP_OPS="${BG_SWEEP_OPS:-${SWEEP_OPS:-all}}"
     export OUT="$OUT/bg" RES="$RES/bg"; mkdir -p "$OUT" "$RES"
-    for s in $BG_STEPS; do "step_$s"; done ) > "$OUT/background.log" 2>&1 &
+    for s in $BG_STEPS; do [ "$s" = none ] || "step_$s"; done ) > "$OUT/background.log" 2>&1 &
   bg=$!
 fi
-for s in ${STEPS:-tests bench}; do "step_$s"; done
+for s in ${STEPS:-tests bench}; do [ "$s" = none ] || "step_$s"; done
 if [ -n "$bg" ]; then wait "$bg"; echo "--- background steps (GPU ${BG_GPU:-1}): $BG_STEPS"; cat "$OUT/background.log"; fi
 tar czf "$OUT/results.tgz" -C "$RES" .
 if [ "${TCACHE_SAVE:-0}" = 1 ]; then  # $OUT/tcache.tgz.part-*: back here, then `mkdir -p .tcache; cp FILES_AT/tcache* .tcache/`
