@@ -80,17 +80,11 @@ def rewy_bwd_kernel_dv_local(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_i = tl.arange(0, BT)
-    rows = i_t * BT + o_i
-    m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
+    i_t, i_b, i_h, t0, o_i, m_row, tok, _, _ = _chunk_prologue(T, H, BT, 0)
     DT = k.dtype.element_ty
 
     # A_qkᵀ[j, i] = s Σ_f k_jf q_if Λ_ij, formed directly as K Qᵀ with Qᵀ loaded transposed (no tl.trans).
     # Block pointers keep per-element 64-bit addresses out of registers.
-    t0 = i_t * BT
     bos = (i_b * T * H + i_h).to(tl.int64)
     b_at = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, (K + BK - 1) // BK):
@@ -200,7 +194,7 @@ def producer(A, Rbar, R, *, chunk_size: int = 64, BV: int = 64, num_warps: int =
 def _chunk_prologue(T, H, BT: tl.constexpr, c_off):
     """This program's chunk (program ids: chunk, batch·head): batch, head, first row t0, chunk-local rows o_i, their
     valid mask and token index [(b·T + t)·H + h], the number of valid rows and the last valid row (a tail chunk has
-    fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector) and the vector dv_local. In the
+    fewer). Shared by all three consumers (scalar pointer, scalar descriptor, vector) and the dv_local kernels. In the
     vector consumer it only moves registers around: sm_90 stack KDA 176 → 168 B, GDN2 312 → 344 B (session 13, not
     timed). c_off: the first chunk of the launch's grid (joint_tma launched a chunk range at a time)."""
     return _chunk_rows(tl.program_id(0) + c_off, tl.program_id(1), T, H, BT)

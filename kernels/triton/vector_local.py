@@ -257,12 +257,7 @@ def rewy_bwd_kernel_dv_local_aqk(
     Aqk, do, dv,
     T, H, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_i = tl.arange(0, BT)
-    rows = i_t * BT + o_i
-    m_row = rows < T
-    tok = (i_b * T + rows) * H + i_h
+    i_t, i_b, i_h, t0, o_i, m_row, tok, _, _ = _chunk_prologue(T, H, BT, 0)
     # b_at[j, i] = Aqk[row i, column j] for j ≤ i < n (a valid row i implies a valid column j ≤ i).
     m_at = (o_i[:, None] <= o_i[None, :]) & m_row[None, :]
     b_at = tl.load(Aqk + tok[None, :] * BT + o_i[:, None], mask=m_at, other=0.0)
@@ -317,7 +312,7 @@ def _erase_rows(erase, tok_r, p_rk, m_rk, m_r, ERASE_VEC: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _chunk_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
+def _sub_rows(o, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K: tl.constexpr):
     """Rows o of the chunk (chunk-local indices): valid mask, token index, [rows, BK] offsets and mask of the
     feature tile o_k."""
     m = o < n_rows
@@ -461,7 +456,7 @@ def rewy_bwd_kernel_consumer_vector(
             b_uy = tl.zeros([BT, BK], dtype=tl.float32)
             for i_c in range(0, NC):  # inner dimension of the four products, BC rows at a time
                 o_j = i_c * BC + tl.arange(0, BC)
-                m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
+                m_j, tok_j, p_jk, m_jk = _sub_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                 b_cj = tl.where(m_jk, tl.load(G + p_jk, mask=m_jk, other=0.0) - b_c[None, :], 0.0)
                 b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
                 b_qj = tl.load(q + p_jk, mask=m_jk, other=0.0).to(tl.float32)
@@ -492,7 +487,7 @@ def rewy_bwd_kernel_consumer_vector(
             for i_c in range(0, NC - 1):  # run-time loops: one copy of the four fp32 products (compile time)
                 j0 = i_c * BC
                 o_j = j0 + tl.arange(0, BC)
-                m_j, tok_j, p_jk, m_jk = _chunk_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
+                m_j, tok_j, p_jk, m_jk = _sub_rows(o_j, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                 b_gj = tl.load(G + p_jk, mask=m_jk, other=0.0)
                 b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
                 # Column side anchor: the last row z of J.
@@ -504,7 +499,7 @@ def rewy_bwd_kernel_consumer_vector(
                 for i_i in range(i_c + 1, NC):
                     i0 = i_i * BC
                     o_ii = i0 + tl.arange(0, BC)
-                    m_ii, tok_ii, p_ik, m_ik = _chunk_rows(o_ii, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
+                    m_ii, tok_ii, p_ik, m_ik = _sub_rows(o_ii, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                     # Row side: rows of I against the columns of J, anchored at I's first row.
                     b_ga = tl.load(G + ((i_b * T + t0 + i0) * H + i_h) * K + o_k, mask=m_k & (i0 < n_rows),
                                    other=0.0)
@@ -531,7 +526,7 @@ def rewy_bwd_kernel_consumer_vector(
             # Diagonal blocks, exact pairwise Λ: row i meets the row c = (its block start) + d of its own block.
             for d in range(0, BC):  # run-time loop: keeps compile time down (16 unrolled copies otherwise)
                 o_c = blk + d
-                m_c, tok_c, p_c, m_ck = _chunk_rows(o_c, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
+                m_c, tok_c, p_c, m_ck = _sub_rows(o_c, n_rows, i_b, T, t0, H, i_h, o_k, m_k, K)
                 b_kc = tl.load(k + p_c, mask=m_ck, other=0.0).to(tl.float32)
                 b_gc = tl.load(G + p_c, mask=m_ck, other=0.0)
                 # Row side (c < i): X_q,i += H_ic k_c Λ_ic, X_e,i += D_ic k_c Λ_ic.
