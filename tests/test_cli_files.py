@@ -77,3 +77,28 @@ def test_a_pipe_is_written_in_place_not_replaced(tmp_path):
     reader.join(timeout=10)
     assert got == ["through the pipe\n"]
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_permissions_are_those_open_would_leave(tmp_path):
+    # mkstemp makes its file 0600: renamed over the target, an export would have become unreadable to others
+    old_umask = os.umask(0o022)
+    try:
+        write_text_atomic(tmp_path / "new.json", "x")
+        assert stat.S_IMODE(os.stat(tmp_path / "new.json").st_mode) == 0o644
+        kept = tmp_path / "kept.json"
+        kept.write_text("old")
+        os.chmod(kept, 0o640)
+        write_text_atomic(kept, "new")
+        assert stat.S_IMODE(os.stat(kept).st_mode) == 0o640 and kept.read_text() == "new"
+    finally:
+        os.umask(old_umask)
+
+
+def test_a_symlink_is_written_through_and_kept(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_text_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "real.json"]
