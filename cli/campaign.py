@@ -251,7 +251,7 @@ def show(console: Console, db: str | None, device: str | None, op: str | None) -
     if op is not None and op not in OP_CHOICES[:-1]:
         fail(console, f"--op: unknown operator {op!r}; accepted: {', '.join(OP_CHOICES[:-1])}")
     database = _open_read(db, console)
-    device_name = None if device is None else ("cpu-interpreter" if device == "cpu" else device)
+    device_name = stored_device_name(device)
     table = Table(title="winners")
     for col in ("device", "op", "policy", "dtype", "K", "V", "T≤", "B·H≤", "latency ms", "baseline ms", "speedup",
                 "campaign", "fingerprint"):
@@ -262,8 +262,38 @@ def show(console: Console, db: str | None, device: str | None, op: str | None) -
             table.add_row(w.environment.device.short_name, w.op, w.policy, w.dtype, str(w.K), str(w.V),
                           str(w.t_bucket), str(w.bh_bucket), f"{w.latency_ms:.4f}", f"{w.fla_latency_ms:.4f}",
                           f"{w.speedup:.2f}x", str(w.campaign_id or "-"), w.environment.fingerprint)
-    console.print(table if rows else "no winners stored")
+        missing = None if rows else no_winners(s, device, op)
+    console.print(table if rows else missing, soft_wrap=True, highlight=False)
     database.close()
+
+
+def stored_device_name(device: str | None) -> str | None:
+    """--device as the database names it: 'cpu' is stored as the interpreter's 'cpu-interpreter'."""
+    from rewy_tune.device import CPU_INTERPRETER
+
+    return CPU_INTERPRETER if device == "cpu" else device
+
+
+def cli_device_name(short_name: str) -> str:
+    """A stored device short name as --device takes it."""
+    from rewy_tune.device import CPU_INTERPRETER
+
+    return "cpu" if short_name == CPU_INTERPRETER else short_name
+
+
+def no_winners(session, device: str | None, op: str | None) -> str:
+    """'no winners stored', and where filters found none, what the database does hold (a misspelt --device
+    otherwise reads as an empty database)."""
+    from rewy_tune.db import queries
+
+    filters = " ".join(f"--{k} {v}" for k, v in (("device", device), ("op", op)) if v is not None)
+    if not filters:
+        return "no winners stored"
+    held: dict[str, set[str]] = {}
+    for w in queries.winners(session):
+        held.setdefault(cli_device_name(w.environment.device.short_name), set()).add(w.op)
+    stored = "; ".join(f"{d}: {', '.join(sorted(ops))}" for d, ops in sorted(held.items())) or "none"
+    return f"no winners stored for {filters} (winners in this database, by --device: {stored})"
 
 
 def trials(console: Console, db: str | None, campaign_id: int) -> None:
@@ -295,7 +325,9 @@ def export(console: Console, db: str | None, file: str, device: str | None, op: 
         fail(console, f"--op: unknown operator {op!r}; accepted: {', '.join(OP_CHOICES[:-1])}")
     database = _open_read(db, console)
     with database.session() as s:
-        data = exchange.export_winners(s, device=device, op=op)
+        data = exchange.export_winners(s, device=stored_device_name(device), op=op)
+        if not data["winners"]:  # an empty export is written (a valid file), but say why it is empty
+            console.print(no_winners(s, device, op), soft_wrap=True, highlight=False)
     database.close()
     try:
         write_text_atomic(file, json.dumps(data, indent=1, default=str))
