@@ -326,13 +326,15 @@ def export(console: Console, db: str | None, file: str, device: str | None, op: 
     database = _open_read(db, console)
     with database.session() as s:
         data = exchange.export_winners(s, device=stored_device_name(device), op=op)
-        if not data["winners"]:  # an empty export is written (a valid file), but say why it is empty
-            console.print(no_winners(s, device, op), soft_wrap=True, highlight=False)
+        # an empty export is still written (a valid file), but said why it is empty
+        missing = None if data["winners"] else no_winners(s, device, op)
     database.close()
     try:
         write_text_atomic(file, json.dumps(data, indent=1, default=str))
     except OSError as exc:
         fail(console, f"{file}: cannot write it ({exc.strerror})")
+    if missing:
+        console.print(missing, soft_wrap=True, highlight=False)
     console.print(f"exported {len(data['winners'])} winner(s) to {file}")
 
 
