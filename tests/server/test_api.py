@@ -79,10 +79,22 @@ def test_compare(client):
     assert d["devices"] == ["h200", "a100"] and len(d["buckets"]) == 3
     b = d["buckets"][0]
     assert set(b["winners"]) == {"h200", "a100"}
-    assert all(f["differs"] == (f["name"] in b["differing"]) for f in b["fields"])
+
+    def flat(schedule, prefix=""):  # the test's own flattening, not views'
+        out = {}
+        for key, value in schedule.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return out
+
+    h200, a100 = (flat(b["winners"][dev]["schedule"]) for dev in ("h200", "a100"))
+    assert {f["name"]: f["values"] for f in b["fields"]} == {n: {"h200": h200[n], "a100": a100[n]} for n in h200}
+    want = sorted(n for n in h200 if h200[n] != a100[n])
+    assert want and sorted(b["differing"]) == want  # the fixture's winners differ (chunk_size)
+    assert all(f["differs"] == (f["name"] in want) for f in b["fields"])
     cross = {(x["schedule_of"], x["measured_on"]): x for x in b["cross_device"]}
-    assert cross["a100", "h200"]["latency_ms"] is not None  # the fixture measured a100's winner on the h200
-    assert cross["h200", "a100"]["latency_ms"] is None or cross["h200", "a100"]["slowdown"]
+    on_h200 = cross["a100", "h200"]  # the fixture measured a100's winner on the h200, not h200's on the a100
+    assert on_h200["slowdown"] == pytest.approx(on_h200["latency_ms"] / on_h200["own_winner_ms"])
+    assert cross["h200", "a100"]["latency_ms"] is None and cross["h200", "a100"]["slowdown"] is None
     same = client.get("/api/compare?op=gdn&devices=h200&devices=a100").json()
     assert same["devices"] == ["h200", "a100"]
 
@@ -160,11 +172,16 @@ def test_missing_database_file_is_not_created(missing_client):
     assert not path.exists() and not path.parent.exists()
 
 
-def test_running_campaign_is_read_fresh_and_finished_ones_are_cached(tmp_path):
+def test_running_campaign_is_read_fresh_and_finished_ones_are_cached(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
+    from rewy_tune.server import views
     from rewy_tune.server.app import create_app
     from server_fixture_db import H200, environment
+
+    decoded = []  # campaigns whose trials were read and decoded (views' cache sits in front of this)
+    real_points = views.q.trial_points
+    monkeypatch.setattr(views.q, "trial_points", lambda s, ids: decoded.append(tuple(ids)) or real_points(s, ids))
 
     path = str(tmp_path / "live.db")
     writer = open_db(path)
@@ -177,11 +194,15 @@ def test_running_campaign_is_read_fresh_and_finished_ones_are_cached(tmp_path):
         with writer.session() as s:
             queries.add_trial(s, cid, number=1, schedule={"chunk_size": 32}, status="timeout")
         assert client.get("/api/devices/h200/ops/kda").json()["trials"] == 2
+        assert len(decoded) == 2  # running: read afresh on every request
         with writer.session() as s:
             queries.finish_campaign(s, cid)
         assert client.get("/api/devices/h200/ops/kda").json()["trials"] == 2
+        assert client.get("/api/devices/h200/ops/kda").json()["trials"] == 2
+        assert len(decoded) == 3  # finished: decoded once, the second request served from the cache
         with writer.session() as s:  # a trial overwritten after the end still changes the key (count)
             queries.add_trial(s, cid, number=2, schedule={"chunk_size": 16}, status="constraint")
         assert client.get("/api/devices/h200/ops/kda").json()["status_counts"] == {"ok": 1, "timeout": 1,
                                                                                     "constraint": 1}
+        assert len(decoded) == 4
     writer.close()
