@@ -240,7 +240,17 @@ class _CudaConfig:
 
 
 def test_a_fla_only_warm_request_compiles_none_of_ours(monkeypatch):
-    from rewy_tune import trial_worker
+    # ours=False with FLA: FLA's op runs once per shape (stood in: no fla-core kernels on the CPU), ours never
+    from rewy_tune import fla_baseline, measure, trial_worker
 
+    ran = []
     monkeypatch.setattr(trial_worker, "_warm_shape", lambda *a: pytest.fail("ours must not run"))
-    assert trial_worker._warm({"shapes": [[1, 64, 1]], "ours": False, "with_fla": False}) == {"status": "ok"}
+    monkeypatch.setattr(fla_baseline, "fla_op", lambda op, policy: ("fla", op, policy))
+    monkeypatch.setattr(fla_baseline, "bypass_hopper_guard", lambda: None)
+    monkeypatch.setattr(measure, "run_once", lambda op, fn, shape, *, K, V: ran.append((op, fn, shape, K, V)))
+    msg = {"op": "gdn", "policy": "A", "K": 64, "V": 32, "shapes": [[1, 64, 1], [2, 128, 4]], "ours": False,
+           "with_fla": True}
+    assert trial_worker._warm(msg) == {"status": "ok"}
+    assert ran == [("gdn", ("fla", "gdn", "A"), (1, 64, 1), 64, 32), ("gdn", ("fla", "gdn", "A"), (2, 128, 4), 64, 32)]
+    ran.clear()
+    assert trial_worker._warm({**msg, "with_fla": False}) == {"status": "ok"} and ran == []
