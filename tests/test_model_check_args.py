@@ -19,13 +19,18 @@ def test_precompile_children_get_the_model_options_without_json_or_precompile(mc
     assert args.models == ["kda"] and args.policy == "A" and args.seq_len == 2048
 
 
-@pytest.mark.parametrize("argv", [["--precompile", "1"], ["--precompile", "-2"], ["--precompile-part", "8/8"],
-                                  ["--precompile-part", "x"]])
-def test_bad_precompile_arguments_exit_2(mc, argv, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--precompile", "1"], "--precompile must be 0 (off) or >= 2 processes, got 1"),
+    (["--precompile", "-2"], "--precompile must be 0 (off) or >= 2 processes, got -2"),
+    (["--precompile-part", "8/8"], "--precompile-part must be i/N with 0 <= i < N, got '8/8'"),
+    (["--precompile-part", "x"], "--precompile-part must be i/N with 0 <= i < N, got 'x'"),
+])
+def test_bad_precompile_arguments_exit_2(mc, argv, message, capsys):
+    # the message itself: argparse's usage line, printed with any error, names every option
     with pytest.raises(SystemExit) as exc:
         mc.parse_args(argv)
     assert exc.value.code == 2
-    assert "--precompile" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
 
 
 def test_graph_timing_falls_back_to_eager_and_says_why(mc, monkeypatch):
@@ -101,14 +106,17 @@ def test_operator_share_times_fla_stock_against_ours_at_the_model_shape(mc, monk
     assert out["fla_backward_ms"] == 0.55 and out["ours_backward_ms"] == 0.40
 
 
-@pytest.mark.parametrize("argv,message", [(["--set", "side_stream=sideways"], "--set"),
-                                          (["--set", "nonsense"], "--set"),
-                                          (["--set", "consumer_cfg.colour=3"], "--set")])
+@pytest.mark.parametrize("argv,message", [
+    (["--set", "side_stream=sideways"],
+     "--set: Schedule.side_stream must be one of ('none', 'dv_local', 'reverse_scan')"),
+    (["--set", "nonsense"], "--set: 'nonsense' is not FIELD=VALUE"),
+    (["--set", "consumer_cfg.colour=3"], "--set: 'consumer_cfg.colour' is not a stage member"),
+])
 def test_bad_schedule_overrides_exit_2(mc, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         mc.parse_args(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert f"error: {message}" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_schedule_overrides_reach_the_routed_lookup_and_are_undone(mc):

@@ -99,8 +99,10 @@ def test_bad_scale(scale):
 def test_numpy_scales_are_numbers():
     np = pytest.importorskip("numpy")
     t = {n: x for n, x in tensors().items() if n != "kw"}
-    want = call("gdn", **t, kw=dict(scale=0.5))[0]
-    for scale in (np.float32(0.5), np.float64(0.5)):
+    # 0.375 is exact in float32 and is not the default K^-0.5: a NumPy scale dropped for the default would show
+    want = call("gdn", **t, kw=dict(scale=0.375))[0]
+    assert not torch.equal(call("gdn", **t, kw=dict(scale=None))[0], want)
+    for scale in (np.float32(0.375), np.float64(0.375)):
         assert torch.equal(call("gdn", **t, kw=dict(scale=scale))[0], want)
 
 
