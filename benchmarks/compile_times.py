@@ -260,7 +260,7 @@ def _compile(launches: list[dict], sass: set[str] = frozenset(), pdl: bool = Fal
             hazards = hazards + [f"{dropped} warpgroup products dropped by ptxas (placeholder HGMMAs in the SASS)"]
         seconds = _cpu_seconds() - c0  # (before serialized_products' own ptxas run, which the compile does not make)
         out.append((rec["name"], seconds, c.metadata.shared, opts, _resource_usage(c.asm["cubin"]), hazards,
-                    serialized_products(c.asm["ptx"]) or []))
+                    serialized_products(c.asm["ptx"])))  # None: not checked (no bundled ptxas, or it failed)
         if rec["name"] in sass:
             print_sass(rec["name"], opts, c.asm["cubin"], c.asm)
     return out
@@ -370,11 +370,13 @@ def main() -> None:
             print(f"{name:40s} {s:7.2f} CPU s  shared {shared:7d} B  {usage}  {opts}")
             for h in hazards:
                 print(f"   HAZARD {h}")
-            for note in serialized:
+            for note in serialized or []:
                 print(f"   SERIALIZED warpgroup products, {note}")
         print(f"{len(out)} distinct compiles, {sum(s for _, s, *_ in out):.1f} CPU s")
         print(f"{sum(1 for *_, ser in out if ser)} kernels with serialized warpgroup products (ptxas C75xx; slower, "
               f"not wrong: rewy_tune/ir_hazards.serialized_products)")
+        print(f"{sum(1 for *_, ser in out if ser is None)} kernels not checked for serialized products (no bundled "
+              f"ptxas, or its second run failed)")
         n = sum(len(h) for *_, h, _ in out)
         print(f"{n} hazards: shared-memory write-after-read, or products dropped by ptxas (rewy_tune/ir_hazards.py)")
         if n and args.hazards:
