@@ -22,7 +22,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent if str(path.parent) else ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     try:
         os.fchmod(fd, _mode_for(path))  # mkstemp's 0600 would make an export unreadable to others
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -45,9 +45,9 @@ PROGRAM = textwrap.dedent(f"""
 def _skip_without_cuobjdump() -> None:
     """Skip where the Triton wheel bundles no cuobjdump (compile_times.py reads registers with it), decided up front:
     a missing "regs" in the script's output means it compiled nothing, which is a failure, not a skip."""
-    import triton
+    from rewy_tune.ir_hazards import bundled_tool
 
-    if not os.access(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump", os.X_OK):
+    if bundled_tool("cuobjdump") is None:
         pytest.skip("this Triton wheel bundles no cuobjdump")
 
 
